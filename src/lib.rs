@@ -1,0 +1,2 @@
+//! pgoutbox (skeleton)
+pub mod lsn;
