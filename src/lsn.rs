@@ -44,7 +44,9 @@ impl FromStr for Lsn {
     /// # Errors
     /// [`ParseLsnError`] when there is no `/`, a half is empty, longer than 8 digits or not hex.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || ParseLsnError { input: s.to_owned() };
+        let err = || ParseLsnError {
+            input: s.to_owned(),
+        };
         let (hi, lo) = s.split_once('/').ok_or_else(err)?;
         let half = |h: &str| {
             if h.is_empty() || h.len() > 8 {

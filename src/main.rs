@@ -1,1 +1,149 @@
-fn main(){}
+//! The `pgoutbox` binary: parse arguments, set up tracing, run, map errors to an exit code.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use pgoutbox::cli::{Cli, Command, Force};
+use pgoutbox::config::{parse_database_url, validate_identifier};
+use pgoutbox::error::{render_report, Error};
+use pgoutbox::{admin, pipeline};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // lapin logs returned messages (with their payload) at warn: keep it at error so no
+    // payload bytes reach the log.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=error"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(try_main(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", render_report(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn try_main(cli: Cli) -> Result<(), Error> {
+    match cli.command {
+        Command::Setup(args) => {
+            validate_identifier("--slot", &args.db.slot)?;
+            validate_identifier("--publication", &args.publication)?;
+            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let report = admin::setup(&client, &args.db.slot, &args.publication).await?;
+            println!(
+                "setup done: slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
+                args.db.slot,
+                if report.slot_created {
+                    "created"
+                } else {
+                    "existed"
+                },
+                args.publication,
+                if report.publication_created {
+                    "created"
+                } else {
+                    "existed"
+                },
+                report.confirmed_flush_lsn
+            );
+            Ok(())
+        }
+        Command::Status(args) => {
+            validate_identifier("--slot", &args.db.slot)?;
+            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let status = admin::slot_status(&client, &args.db.slot).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&status).unwrap_or_default());
+            } else {
+                println!("slot:                {}", status.slot);
+                println!(
+                    "active:              {}{}",
+                    status.active,
+                    match (&status.active_pid, &status.holder) {
+                        (Some(pid), Some(h)) => format!(" (pid {pid}, {h})"),
+                        (Some(pid), None) => format!(" (pid {pid})"),
+                        _ => String::new(),
+                    }
+                );
+                println!(
+                    "confirmed_flush_lsn: {}",
+                    status.confirmed_flush_lsn.as_deref().unwrap_or("-")
+                );
+                println!(
+                    "lag_bytes:           {}",
+                    status
+                        .lag_bytes
+                        .map(|l| l.to_string())
+                        .unwrap_or("-".into())
+                );
+                println!(
+                    "wal_status:          {}",
+                    status.wal_status.as_deref().unwrap_or("-")
+                );
+            }
+            Ok(())
+        }
+        Command::Teardown(args) => {
+            validate_identifier("--slot", &args.db.slot)?;
+            validate_identifier("--publication", &args.publication)?;
+            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let force = if args.force { Force::Yes } else { Force::No };
+            let report = admin::teardown(&client, &args.db.slot, &args.publication, force).await?;
+            println!(
+                "teardown done: slot {} {}, publication {} {}",
+                args.db.slot,
+                if report.slot_dropped {
+                    "dropped"
+                } else {
+                    "was absent"
+                },
+                args.publication,
+                if report.publication_dropped {
+                    "dropped"
+                } else {
+                    "was absent"
+                }
+            );
+            Ok(())
+        }
+        Command::Run(args) => {
+            let config = args.into_config();
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                let _ = tx.send(true);
+            });
+            pipeline::run(config, rx).await.map(|_| ())
+        }
+    }
+}
+
+/// Waits for SIGINT or SIGTERM.
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,194 @@
+-- pgoutbox producer functions (PostgreSQL 13+; tested on 15).
+--
+-- Producers call outbox.emit(...) or outbox.emit_bytes(...) inside their own transaction.
+-- The functions validate their arguments, build a version-1 envelope and write it to WAL
+-- with pg_logical_emit_message(true, 'pgoutbox', envelope): a *transactional* logical
+-- decoding message, delivered to pgoutbox only if, and when, the transaction commits.
+-- Nothing is stored in any table. Both functions return the message's pg_lsn.
+--
+-- Envelope version 1 (see docs/envelope.md; decoded by src/envelope.rs):
+--   byte 0        version, 0x01
+--   bytes 1..5    N, the header length in bytes, unsigned 32-bit big-endian
+--   next N bytes  header: UTF-8 JSON object
+--                 {"id": text, "topic": text, "content_type": text, "headers": {object}}
+--   the rest      payload, raw bytes: for emit, the UTF-8 text of payload::text (the jsonb);
+--                 for emit_bytes, the bytea as is. No double encoding; NUL bytes are fine.
+--
+-- Rules, checked at emit time (and again by the pgoutbox decoder), all raising
+-- SQLSTATE 22023 (invalid_parameter_value) with a HINT:
+--   topic         not NULL, not empty, at most 255 bytes (AMQP routing key, a short string)
+--   message_id    NULL means a fresh gen_random_uuid()::text; otherwise not empty and at
+--                 most 255 bytes (AMQP message-id property)
+--   payload       not NULL (the JSON value null, 'null'::jsonb, is a valid payload)
+--   content_type  not NULL, not empty, at most 255 bytes (AMQP content-type property)
+--   headers       not NULL, a JSON object; every key at most 255 bytes (AMQP field-table
+--                 key), not starting with "x-pgoutbox-" (any case; reserved for headers
+--                 pgoutbox adds), not "CC" or "BCC" (any case; RabbitMQ sender-selected
+--                 distribution would copy the message to other queues)
+--
+-- Idempotent: safe to run again (CREATE SCHEMA IF NOT EXISTS, CREATE OR REPLACE FUNCTION).
+--
+-- Privileges: nothing is granted here. Producers need USAGE on schema outbox (a new
+-- schema has none for PUBLIC) and EXECUTE on outbox.emit / outbox.emit_bytes (functions
+-- get EXECUTE for PUBLIC by default), e.g.
+--   GRANT USAGE ON SCHEMA outbox TO my_producer_role;
+-- pg_logical_emit_message itself needs no special privilege.
+--
+-- The functions pin search_path to pg_catalog so that producers' search_path settings
+-- cannot change what they call.
+
+CREATE SCHEMA IF NOT EXISTS outbox;
+
+COMMENT ON SCHEMA outbox IS
+    'pgoutbox producer API: outbox.emit / outbox.emit_bytes write transactional logical decoding messages (prefix pgoutbox) that pgoutbox publishes to RabbitMQ.';
+
+-- Internal: validates the arguments and returns the version-1 envelope bytes.
+-- Shared by emit and emit_bytes; also callable on its own to inspect the exact bytes
+-- (tests compare its output with the Rust decoder). Does not write to WAL.
+CREATE OR REPLACE FUNCTION outbox._envelope(
+    topic text,
+    payload bytea,
+    content_type text,
+    headers jsonb,
+    message_id text
+) RETURNS bytea
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    id  text := message_id;
+    k   text;
+    hdr bytea;
+BEGIN
+    IF topic IS NULL OR topic = '' THEN
+        RAISE EXCEPTION 'outbox: argument topic must not be NULL or empty (got %)',
+                coalesce(quote_literal(topic), 'NULL')
+            USING ERRCODE = '22023',
+                  HINT = 'Pass the RabbitMQ routing key as a non-empty text of at most 255 bytes.';
+    END IF;
+    IF octet_length(topic) > 255 THEN
+        RAISE EXCEPTION 'outbox: argument topic is % bytes long (starts %); the limit is 255 bytes',
+                octet_length(topic), quote_literal(left(topic, 40))
+            USING ERRCODE = '22023',
+                  HINT = 'The topic is used as an AMQP routing key, a short string of at most 255 bytes.';
+    END IF;
+
+    IF id IS NULL THEN
+        id := gen_random_uuid()::text;
+    ELSIF id = '' THEN
+        RAISE EXCEPTION 'outbox: argument message_id must not be empty'
+            USING ERRCODE = '22023',
+                  HINT = 'Pass NULL (the default) to get a random UUID, or a non-empty id of at most 255 bytes.';
+    ELSIF octet_length(id) > 255 THEN
+        RAISE EXCEPTION 'outbox: argument message_id is % bytes long (starts %); the limit is 255 bytes',
+                octet_length(id), quote_literal(left(id, 40))
+            USING ERRCODE = '22023',
+                  HINT = 'The id becomes the AMQP message-id property, a short string of at most 255 bytes.';
+    END IF;
+
+    IF payload IS NULL THEN
+        RAISE EXCEPTION 'outbox: argument payload must not be NULL'
+            USING ERRCODE = '22023',
+                  HINT = 'Pass a value; for an empty message pass ''null''::jsonb or ''''::bytea.';
+    END IF;
+
+    IF content_type IS NULL OR content_type = '' THEN
+        RAISE EXCEPTION 'outbox: argument content_type must not be NULL or empty (got %)',
+                coalesce(quote_literal(content_type), 'NULL')
+            USING ERRCODE = '22023',
+                  HINT = 'Pass a MIME type such as application/octet-stream, at most 255 bytes.';
+    END IF;
+    IF octet_length(content_type) > 255 THEN
+        RAISE EXCEPTION 'outbox: argument content_type is % bytes long (starts %); the limit is 255 bytes',
+                octet_length(content_type), quote_literal(left(content_type, 40))
+            USING ERRCODE = '22023',
+                  HINT = 'The content type becomes the AMQP content-type property, a short string of at most 255 bytes.';
+    END IF;
+
+    IF headers IS NULL OR jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION 'outbox: argument headers must be a JSON object, got %',
+                coalesce(jsonb_typeof(headers), 'NULL')
+            USING ERRCODE = '22023',
+                  HINT = 'Pass a jsonb object such as ''{}''::jsonb or ''{"tenant": "a"}''::jsonb.';
+    END IF;
+    FOR k IN SELECT jsonb_object_keys(headers) LOOP
+        IF octet_length(k) > 255 THEN
+            RAISE EXCEPTION 'outbox: header key in argument headers is % bytes long (starts %); the limit is 255 bytes',
+                    octet_length(k), quote_literal(left(k, 40))
+                USING ERRCODE = '22023',
+                      HINT = 'Header keys become AMQP field-table keys, short strings of at most 255 bytes.';
+        END IF;
+        -- COLLATE "C": ASCII-only case folding, the same as the Rust decoder's check.
+        IF starts_with(lower(k COLLATE "C"), 'x-pgoutbox-') THEN
+            RAISE EXCEPTION 'outbox: header key % in argument headers is reserved', quote_literal(k)
+                USING ERRCODE = '22023',
+                      HINT = 'Header keys starting with x-pgoutbox- (in any case) are reserved for headers pgoutbox adds.';
+        END IF;
+        IF upper(k COLLATE "C") IN ('CC', 'BCC') THEN
+            RAISE EXCEPTION 'outbox: header key % in argument headers is not allowed', quote_literal(k)
+                USING ERRCODE = '22023',
+                      HINT = 'CC and BCC (in any case) trigger RabbitMQ sender-selected distribution, which would route the message to other queues.';
+        END IF;
+    END LOOP;
+
+    hdr := convert_to(
+        jsonb_build_object(
+            'id', id,
+            'topic', topic,
+            'content_type', content_type,
+            'headers', headers
+        )::text,
+        'UTF8');
+
+    -- decode('01', 'hex') is the version byte 0x01, independent of standard_conforming_strings.
+    RETURN decode('01', 'hex') || int4send(octet_length(hdr)) || hdr || payload;
+END;
+$fn$;
+
+COMMENT ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) IS
+    'Internal to pgoutbox: validates the arguments and returns the version-1 envelope bytes (0x01, u32 big-endian header length, UTF-8 JSON header, raw payload); a NULL message_id becomes a random UUID. Raises SQLSTATE 22023 on invalid arguments. Does not write to WAL.';
+
+CREATE OR REPLACE FUNCTION outbox.emit(
+    topic text,
+    payload jsonb,
+    headers jsonb DEFAULT '{}',
+    message_id text DEFAULT NULL
+) RETURNS pg_lsn
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN pg_logical_emit_message(
+        true,
+        'pgoutbox',
+        outbox._envelope(topic, convert_to(payload::text, 'UTF8'), 'application/json',
+                         headers, message_id));
+END;
+$fn$;
+
+COMMENT ON FUNCTION outbox.emit(text, jsonb, jsonb, text) IS
+    'pgoutbox: publishes payload (JSON, content type application/json) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
+
+CREATE OR REPLACE FUNCTION outbox.emit_bytes(
+    topic text,
+    payload bytea,
+    content_type text DEFAULT 'application/octet-stream',
+    headers jsonb DEFAULT '{}',
+    message_id text DEFAULT NULL
+) RETURNS pg_lsn
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    RETURN pg_logical_emit_message(
+        true,
+        'pgoutbox',
+        outbox._envelope(topic, payload, content_type, headers, message_id));
+END;
+$fn$;
+
+COMMENT ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) IS
+    'pgoutbox: publishes payload (raw bytes, with the given content type) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';

@@ -1,0 +1,360 @@
+//! Provisioning and inspection over ordinary SQL (tokio-postgres): `setup`, `status`,
+//! `teardown`, and the pre-flight checks `run` makes before it takes the slot.
+
+use serde::Serialize;
+use tokio_postgres::{Client, NoTls};
+
+use crate::error::Error;
+use crate::lsn::Lsn;
+
+/// The producer helpers, installed by `setup` (idempotent).
+pub const OUTBOX_SQL: &str = include_str!("../sql/outbox.sql");
+
+/// Connects an ordinary SQL session and spawns its connection task.
+///
+/// # Errors
+/// [`Error::Sql`] when the connection fails.
+pub async fn connect(config: &tokio_postgres::Config) -> Result<Client, Error> {
+    let (client, connection) = config
+        .connect(NoTls)
+        .await
+        .map_err(|e| Error::sql("connecting", e))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "sql connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// Fails unless `wal_level = logical`.
+///
+/// # Errors
+/// [`Error::Precondition`] naming the setting, its value and the fix.
+pub async fn check_wal_level(client: &Client) -> Result<(), Error> {
+    let row = client
+        .query_one("SELECT current_setting('wal_level')", &[])
+        .await
+        .map_err(|e| Error::sql("reading wal_level", e))?;
+    let level: String = row.get(0);
+    if level != "logical" {
+        return Err(Error::Precondition(format!(
+            "wal_level is '{level}'; set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless the current role may use replication.
+///
+/// # Errors
+/// [`Error::Precondition`] with the `ALTER ROLE` to run.
+pub async fn check_replication_role(client: &Client) -> Result<(), Error> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the role's attributes", e))?;
+    let (user, ok): (String, bool) = (row.get(0), row.get(1));
+    if !ok {
+        return Err(Error::Precondition(format!(
+            "role {user:?} lacks the REPLICATION attribute; run ALTER ROLE \"{user}\" REPLICATION as a superuser"
+        )));
+    }
+    Ok(())
+}
+
+/// What `setup` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SetupReport {
+    /// The publication was created now (false: it existed).
+    pub publication_created: bool,
+    /// The slot was created now (false: it existed).
+    pub slot_created: bool,
+    /// The slot's `confirmed_flush_lsn` after setup.
+    pub confirmed_flush_lsn: String,
+}
+
+/// Installs `sql/outbox.sql`, creates the publication (no tables) and the pgoutput slot
+/// when missing. Idempotent.
+///
+/// # Errors
+/// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, or an
+/// existing slot with another plugin or database; [`Error::Sql`] otherwise.
+pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<SetupReport, Error> {
+    check_wal_level(client).await?;
+    check_replication_role(client).await?;
+    client
+        .batch_execute(OUTBOX_SQL)
+        .await
+        .map_err(|e| Error::sql("installing sql/outbox.sql", e))?;
+    let publication_created = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the publication", e))?
+        .is_none();
+    if publication_created {
+        client
+            .batch_execute(&format!("CREATE PUBLICATION \"{publication}\""))
+            .await
+            .map_err(|e| Error::sql(format!("creating publication {publication:?}"), e))?;
+    }
+    let existing = client
+        .query_opt(
+            "SELECT plugin::text, database::text, current_database()::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the slot", e))?;
+    let slot_created = match existing {
+        Some(row) => {
+            let (plugin, db, current): (Option<String>, Option<String>, String) =
+                (row.get(0), row.get(1), row.get(2));
+            if plugin.as_deref() != Some("pgoutput") || db.as_deref() != Some(current.as_str()) {
+                return Err(Error::Precondition(format!(
+                    "slot {slot:?} exists with plugin {plugin:?} in database {db:?}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot"
+                )));
+            }
+            false
+        }
+        None => {
+            if let Err(e) = client
+                .query_one(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await
+            {
+                if e.code().map(|c| c.code()) == Some("53400") {
+                    let max: String = client
+                        .query_one("SELECT current_setting('max_replication_slots')", &[])
+                        .await
+                        .map(|r| r.get(0))
+                        .unwrap_or_else(|_| "?".into());
+                    return Err(Error::Precondition(format!(
+                        "no free replication slot: max_replication_slots = {max} are all in use; raise max_replication_slots and restart PostgreSQL, or drop an unused slot (SELECT pg_drop_replication_slot(name))"
+                    )));
+                }
+                return Err(Error::sql(format!("creating slot {slot:?}"), e));
+            }
+            true
+        }
+    };
+    let status = slot_status(client, slot).await?;
+    Ok(SetupReport {
+        publication_created,
+        slot_created,
+        confirmed_flush_lsn: status.confirmed_flush_lsn.unwrap_or_default(),
+    })
+}
+
+/// One slot as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SlotStatus {
+    /// Slot name.
+    pub slot: String,
+    /// Whether a walsender holds it.
+    pub active: bool,
+    /// The holder's pid.
+    pub active_pid: Option<i32>,
+    /// The holder's `application_name` (carries the instance id of a pgoutbox holder).
+    pub holder: Option<String>,
+    /// Position up to which the consumer acknowledged, `X/Y`.
+    pub confirmed_flush_lsn: Option<String>,
+    /// Bytes of WAL between `confirmed_flush_lsn` and the current WAL position.
+    pub lag_bytes: Option<i64>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// Output plugin.
+    pub plugin: Option<String>,
+}
+
+/// Reads one slot's status.
+///
+/// # Errors
+/// [`Error::Precondition`] when the slot does not exist; [`Error::Sql`].
+pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, Error> {
+    let row = client
+        .query_opt(
+            "SELECT s.slot_name::text, s.active, s.active_pid, r.application_name::text,
+                    s.confirmed_flush_lsn::text,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+                    s.wal_status, s.plugin::text
+             FROM pg_replication_slots s
+             LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+             WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("reading pg_replication_slots", e))?
+        .ok_or_else(|| {
+            Error::Precondition(format!(
+                "replication slot {slot:?} does not exist; run `pgoutbox setup` first (messages emitted before the slot exists are never delivered)"
+            ))
+        })?;
+    Ok(SlotStatus {
+        slot: row.get(0),
+        active: row.get(1),
+        active_pid: row.get(2),
+        holder: row.get(3),
+        confirmed_flush_lsn: row.get(4),
+        lag_bytes: row.get(5),
+        wal_status: row.get(6),
+        plugin: row.get(7),
+    })
+}
+
+/// The slot's `confirmed_flush_lsn`.
+///
+/// # Errors
+/// As [`slot_status`]; [`Error::Precondition`] when it is NULL or not an LSN.
+pub async fn confirmed_flush_lsn(client: &Client, slot: &str) -> Result<Lsn, Error> {
+    let status = slot_status(client, slot).await?;
+    status
+        .confirmed_flush_lsn
+        .as_deref()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            Error::Precondition(format!(
+                "slot {slot:?} has no confirmed_flush_lsn; is it a logical slot?"
+            ))
+        })
+}
+
+/// Checks that `run` can work: `wal_level`, slot exists with pgoutput and is not lost,
+/// publication exists (a misspelled publication is otherwise only rejected when the first
+/// table change is decoded).
+///
+/// # Errors
+/// [`Error::Precondition`], [`Error::SlotLost`], [`Error::Sql`].
+pub async fn preflight(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+) -> Result<SlotStatus, Error> {
+    check_wal_level(client).await?;
+    let status = slot_status(client, slot).await?;
+    if status.plugin.as_deref() != Some("pgoutput") {
+        return Err(Error::Precondition(format!(
+            "slot {slot:?} uses plugin {:?}; pgoutbox needs pgoutput: pick another --slot or recreate it with pgoutbox setup",
+            status.plugin
+        )));
+    }
+    if status.wal_status.as_deref() == Some("lost") {
+        return Err(Error::SlotLost {
+            slot: slot.to_owned(),
+            confirmed_flush_lsn: status.confirmed_flush_lsn.clone().unwrap_or_default(),
+        });
+    }
+    let exists = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the publication", e))?
+        .is_some();
+    if !exists {
+        return Err(Error::Precondition(format!(
+            "publication {publication:?} does not exist in this database; run `pgoutbox setup --publication {publication}` or fix --publication"
+        )));
+    }
+    Ok(status)
+}
+
+/// Counts outbox messages the slot still holds, without consuming them
+/// (`pg_logical_slot_peek_binary_changes`, pgoutput `M` frames with our prefix).
+///
+/// # Errors
+/// [`Error::Sql`] (for example when the slot is active).
+pub async fn pending_outbox_messages(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+) -> Result<i64, Error> {
+    // A pgoutput Message: 'M', Int8 flags, Int64 LSN, then the NUL-terminated prefix at
+    // byte offset 10 (1-based 11).
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL,
+                'proto_version', '1', 'publication_names', $2, 'messages', 'true')
+             WHERE get_byte(data, 0) = 77
+               AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea",
+            &[&slot, &publication],
+        )
+        .await
+        .map_err(|e| Error::sql("peeking at the slot for unsent outbox messages", e))?;
+    Ok(row.get(0))
+}
+
+/// What `teardown` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TeardownReport {
+    /// The slot existed and was dropped.
+    pub slot_dropped: bool,
+    /// The publication existed and was dropped.
+    pub publication_dropped: bool,
+}
+
+/// Drops the slot and the publication. Refuses while the slot holds unsent outbox
+/// messages unless `force`; refuses while the slot is active.
+///
+/// # Errors
+/// [`Error::Precondition`] with the reason and the fix; [`Error::Sql`].
+pub async fn teardown(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    force: crate::cli::Force,
+) -> Result<TeardownReport, Error> {
+    let slot_exists = match slot_status(client, slot).await {
+        Ok(status) => {
+            if status.active {
+                return Err(Error::Precondition(format!(
+                    "slot {slot:?} is active (pid {:?}, {:?}); stop the streamer first",
+                    status.active_pid, status.holder
+                )));
+            }
+            if force == crate::cli::Force::No && status.wal_status.as_deref() != Some("lost") {
+                let pending = pending_outbox_messages(client, slot, publication).await?;
+                if pending > 0 {
+                    return Err(Error::Precondition(format!(
+                        "slot {slot:?} still holds {pending} unsent outbox messages; run `pgoutbox run` until they are delivered, or pass --force to drop them"
+                    )));
+                }
+            }
+            true
+        }
+        Err(Error::Precondition(_)) => false,
+        Err(e) => return Err(e),
+    };
+    if slot_exists {
+        client
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .map_err(|e| Error::sql(format!("dropping slot {slot:?}"), e))?;
+    }
+    let publication_dropped = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the publication", e))?
+        .is_some();
+    if publication_dropped {
+        client
+            .batch_execute(&format!("DROP PUBLICATION IF EXISTS \"{publication}\""))
+            .await
+            .map_err(|e| Error::sql(format!("dropping publication {publication:?}"), e))?;
+    }
+    Ok(TeardownReport {
+        slot_dropped: slot_exists,
+        publication_dropped,
+    })
+}

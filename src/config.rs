@@ -1,0 +1,237 @@
+//! Typed, validated settings. Defaults are named consts whose docs say why.
+//!
+//! The CLI (`cli.rs`) fills these structs; library code never reads argv or the environment.
+
+use std::time::Duration;
+
+/// Default slot name.
+pub const DEFAULT_SLOT: &str = "pgoutbox";
+/// Default publication name (an empty publication: logical messages need one to exist).
+pub const DEFAULT_PUBLICATION: &str = "pgoutbox";
+/// Default exchange (durable topic).
+pub const DEFAULT_EXCHANGE: &str = "pgoutbox";
+/// Default in-flight window in messages: RabbitMQ needs 1,000 to 10,000 unconfirmed
+/// persistent publishes to approach its ceiling on these machines (FACTS.md).
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
+/// Default in-flight window in payload bytes (16 MiB): bounds memory when messages are large.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 16 * 1024 * 1024;
+/// Upper bound of the periodic standby status update interval (the server's own
+/// `wal_receiver_status_interval` default is 10 s); it is lowered to a third of the server's
+/// `wal_sender_timeout` so a stalled broker never gets the connection killed.
+pub const MAX_STATUS_INTERVAL: Duration = Duration::from_secs(10);
+/// Status updates after the watermark moved are coalesced to at most one per this interval:
+/// one update per message costs the walsender ~7 µs each (FACTS.md).
+pub const STATUS_COALESCE: Duration = Duration::from_millis(200);
+/// How long `run` keeps retrying a slot that another process holds (after a SIGKILL the old
+/// walsender can hold it until it notices the closed socket).
+pub const DEFAULT_SLOT_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The logical decoding message prefix of our envelopes.
+pub const MESSAGE_PREFIX: &str = "pgoutbox";
+
+/// A setting that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid setting {setting} = {value:?}: {rule}")]
+pub struct ValidationError {
+    /// The setting's name as the operator writes it, e.g. `--slot`.
+    pub setting: &'static str,
+    /// The offending value (URLs redacted).
+    pub value: String,
+    /// The rule that was broken and how to fix it.
+    pub rule: String,
+}
+
+/// Checks a slot or publication name: 1 to 63 of `a-z`, `0-9`, `_` (PostgreSQL's rule for
+/// replication slot names; we apply it to publications too so names never need quoting).
+///
+/// # Errors
+/// [`ValidationError`] naming `setting`.
+pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), ValidationError> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(ValidationError {
+            setting,
+            value: value.to_owned(),
+            rule: "use 1 to 63 characters of a-z, 0-9 and _".into(),
+        })
+    }
+}
+
+/// Replaces the password in a URL with `***` for logs and `Debug`.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) if url.contains("password") => "<redacted connection string>".into(),
+        Err(_) => url.to_owned(),
+    }
+}
+
+/// Parses a Postgres connection string (URL or key=value) with tokio-postgres' parser,
+/// refusing TLS modes first.
+///
+/// # Errors
+/// [`ValidationError`] for `--database-url` when it does not parse or asks for TLS.
+pub fn parse_database_url(url: &str) -> Result<tokio_postgres::Config, ValidationError> {
+    crate::replication::connect::refuse_tls(url).map_err(|e| ValidationError {
+        setting: "--database-url",
+        value: redact_url(url),
+        rule: e.to_string(),
+    })?;
+    let config: tokio_postgres::Config = url.parse().map_err(|e| ValidationError {
+        setting: "--database-url",
+        value: redact_url(url),
+        rule: format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname"),
+    })?;
+    if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+        return Err(ValidationError {
+            setting: "--database-url",
+            value: redact_url(url),
+            rule: "sslmode=require asks for TLS, which is not supported yet".into(),
+        });
+    }
+    if config.get_user().is_none() {
+        return Err(ValidationError {
+            setting: "--database-url",
+            value: redact_url(url),
+            rule: "no user given; write postgres://USER@host/dbname".into(),
+        });
+    }
+    Ok(config)
+}
+
+/// Settings of `pgoutbox run`.
+#[derive(Clone)]
+pub struct RunConfig {
+    /// Postgres connection string (its database holds the slot).
+    pub database_url: String,
+    /// `amqp://` URL of the broker.
+    pub amqp_url: String,
+    /// Logical replication slot (pgoutput).
+    pub slot: String,
+    /// Publication named in `publication_names`.
+    pub publication: String,
+    /// Durable topic exchange messages are published to.
+    pub exchange: String,
+    /// In-flight window in messages (sent, not yet confirmed).
+    pub max_in_flight: usize,
+    /// In-flight window in payload bytes.
+    pub max_in_flight_bytes: usize,
+    /// How long to keep retrying a slot held by another process.
+    pub slot_busy_timeout: Duration,
+    /// How long shutdown waits for outstanding confirms.
+    pub shutdown_timeout: Duration,
+    /// Identifies this process in `application_name` and the RabbitMQ connection name.
+    pub instance_id: String,
+}
+
+impl std::fmt::Debug for RunConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunConfig")
+            .field("database_url", &redact_url(&self.database_url))
+            .field("amqp_url", &redact_url(&self.amqp_url))
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("exchange", &self.exchange)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
+            .field("slot_busy_timeout", &self.slot_busy_timeout)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("instance_id", &self.instance_id)
+            .finish()
+    }
+}
+
+impl RunConfig {
+    /// Validates every field.
+    ///
+    /// # Errors
+    /// The first [`ValidationError`] found.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        parse_database_url(&self.database_url)?;
+        if !(self.amqp_url.starts_with("amqp://") || self.amqp_url.starts_with("amqps://")) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: redact_url(&self.amqp_url),
+                rule: "expected amqp://user:password@host:port/vhost".into(),
+            });
+        }
+        if self.amqp_url.starts_with("amqps://") {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: redact_url(&self.amqp_url),
+                rule: "amqps:// asks for TLS, which is not supported yet".into(),
+            });
+        }
+        validate_identifier("--slot", &self.slot)?;
+        validate_identifier("--publication", &self.publication)?;
+        if self.exchange.is_empty() || self.exchange.len() > 255 {
+            return Err(ValidationError {
+                setting: "--exchange",
+                value: self.exchange.clone(),
+                rule: "use 1 to 255 bytes (the default exchange \"\" cannot be declared)".into(),
+            });
+        }
+        if self.max_in_flight == 0 {
+            return Err(ValidationError {
+                setting: "--max-in-flight",
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            });
+        }
+        if self.max_in_flight_bytes == 0 {
+            return Err(ValidationError {
+                setting: "--max-in-flight-bytes",
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers() {
+        assert!(validate_identifier("--slot", "pgoutbox_1").is_ok());
+        for bad in ["", "Upper", "a-b", "x\"y", &"a".repeat(64)] {
+            let e = validate_identifier("--slot", bad).unwrap_err();
+            assert_eq!(e.setting, "--slot");
+        }
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("postgres://u:secret@h:5/db"),
+            "postgres://u:***@h:5/db"
+        );
+        assert!(!redact_url("amqp://guest:guest@h/%2f").contains("guest@"));
+    }
+
+    #[test]
+    fn refuses_tls_modes() {
+        for url in [
+            "postgres://u@h/db?sslmode=require",
+            "postgres://u@h/db?sslmode=verify-full",
+            "host=h user=u sslmode=verify-ca",
+        ] {
+            let e = parse_database_url(url).unwrap_err();
+            assert!(e.to_string().contains("TLS"), "{e}");
+        }
+        assert!(parse_database_url("postgres://u@h/db?sslmode=disable").is_ok());
+    }
+}

@@ -1,0 +1,432 @@
+//! RabbitMQ publishing with publisher confirms (lapin), and nothing of Postgres.
+//!
+//! Two tasks per connection:
+//! - the **publish task** takes queued [`OutboundMessage`]s in batches and first-polls their
+//!   `basic_publish` futures in queue order (lapin assigns the delivery tag and pushes the
+//!   frames on a future's first poll, so first-poll order is wire order), many at once so
+//!   the cross-thread hand-off to lapin's I/O thread is amortised;
+//! - the **confirm task** awaits the resulting `PublisherConfirm`s in delivery-tag order and
+//!   hands batches of `(tag, PublishOutcome)` to the pipeline.
+//!
+//! Returns (`basic.return`) are matched by a per-publish key (see [`OutboundMessage::match_key`]),
+//! because lapin attaches a return to whichever confirm its ack loop resolves first. Before
+//! classifying a batch the confirm task takes lapin's acknowledgement lock once (the first poll
+//! of `wait_for_confirms` does exactly that), so every confirm resolved by the same
+//! `basic.ack` frame, including the one carrying the return, is already visible.
+//! Source: AMQP 0-9-1 `basic.publish` (mandatory), `basic.return`, `basic.ack`/`basic.nack`
+//! with `multiple`; RabbitMQ "Publisher Confirms".
+
+pub mod message;
+pub mod outcome;
+
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::FutureExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Confirmation, PublisherConfirm};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+pub use message::OutboundMessage;
+pub use outcome::PublishOutcome;
+
+/// The header that carries each publish's match key (the message LSN, `X/Y`).
+pub const MATCH_KEY_HEADER: &str = "x-pgoutbox-lsn";
+
+/// How many queued messages the publish task first-polls together.
+const PUBLISH_BATCH: usize = 128;
+
+/// An error of the publisher layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The AMQP URL is not usable.
+    #[error("invalid AMQP URL: {0}")]
+    Url(String),
+    /// Connecting or opening the channel failed.
+    #[error("could not connect to RabbitMQ while {context}")]
+    Connect {
+        /// What we were doing.
+        context: &'static str,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
+    /// Declaring the exchange failed (for example 406 PRECONDITION_FAILED when it exists
+    /// with another type or durability).
+    #[error("could not declare exchange {exchange:?} (durable topic); if it exists with another type or durability, delete it or pick another --exchange")]
+    Declare {
+        /// The exchange name.
+        exchange: String,
+        /// lapin's error.
+        #[source]
+        source: lapin::Error,
+    },
+    /// The publisher tasks are gone (connection closed).
+    #[error("the publisher stopped: the RabbitMQ connection or channel is closed")]
+    Closed,
+}
+
+/// Settings of one publisher connection.
+#[derive(Clone)]
+pub struct PublisherConfig {
+    /// `amqp://user:pass@host:port/vhost` (no TLS yet).
+    pub amqp_url: String,
+    /// The durable topic exchange to publish to (declared if absent).
+    pub exchange: String,
+    /// Shown in RabbitMQ's connection list.
+    pub connection_name: String,
+}
+
+impl std::fmt::Debug for PublisherConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublisherConfig")
+            .field("amqp_url", &crate::config::redact_url(&self.amqp_url))
+            .field("exchange", &self.exchange)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+/// A connected publisher: queue messages with [`Publisher::publish`], read outcomes with
+/// [`Publisher::recv_outcomes`]. `T` is the caller's tag, handed back with each outcome.
+pub struct Publisher<T> {
+    connection: Connection,
+    tx: Option<mpsc::UnboundedSender<OutboundMessage<T>>>,
+    outcomes: mpsc::UnboundedReceiver<Vec<(T, PublishOutcome)>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl<T> std::fmt::Debug for Publisher<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher").finish_non_exhaustive()
+    }
+}
+
+impl<T: Send + 'static> Publisher<T> {
+    /// Connects, opens one channel in confirm mode and declares the exchange (durable topic).
+    ///
+    /// # Errors
+    /// [`Error::Url`] for `amqps://` (TLS not supported yet); [`Error::Connect`];
+    /// [`Error::Declare`].
+    pub async fn connect(config: &PublisherConfig) -> Result<Self, Error> {
+        if config.amqp_url.starts_with("amqps://") {
+            return Err(Error::Url(
+                "amqps:// asks for TLS, which is not supported yet; use amqp:// on a trusted network or a local TLS tunnel".into(),
+            ));
+        }
+        let props = ConnectionProperties::default()
+            .with_connection_name(config.connection_name.clone().into());
+        let connection = Connection::connect(&config.amqp_url, props)
+            .await
+            .map_err(|source| Error::Connect {
+                context: "connecting",
+                source,
+            })?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| Error::Connect {
+                context: "opening a channel",
+                source,
+            })?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|source| Error::Connect {
+                context: "enabling publisher confirms",
+                source,
+            })?;
+        channel
+            .exchange_declare(
+                ShortString::from(config.exchange.as_str()),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| Error::Declare {
+                exchange: config.exchange.clone(),
+                source,
+            })?;
+
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (confirm_tx, confirm_rx) = mpsc::unbounded_channel();
+        let (outcome_tx, outcomes) = mpsc::unbounded_channel();
+        let exchange = ShortString::from(config.exchange.as_str());
+        let publish = tokio::spawn(publish_task(channel.clone(), exchange, rx, confirm_tx));
+        let confirm = tokio::spawn(confirm_task(channel, confirm_rx, outcome_tx));
+        Ok(Publisher {
+            connection,
+            tx: Some(tx),
+            outcomes,
+            tasks: vec![publish, confirm],
+        })
+    }
+
+    /// Queues one message; it is published in queue order.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the publish task is gone.
+    pub fn publish(&self, message: OutboundMessage<T>) -> Result<(), Error> {
+        self.tx
+            .as_ref()
+            .ok_or(Error::Closed)?
+            .send(message)
+            .map_err(|_| Error::Closed)
+    }
+
+    /// The next batch of outcomes, in publish order; `None` once everything queued before
+    /// [`Publisher::finish`] has an outcome, or the tasks are gone.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (`mpsc::UnboundedReceiver::recv`).
+    pub async fn recv_outcomes(&mut self) -> Option<Vec<(T, PublishOutcome)>> {
+        self.outcomes.recv().await
+    }
+
+    /// Stops accepting messages; outcomes of those already queued keep arriving.
+    pub fn finish(&mut self) {
+        self.tx = None;
+    }
+
+    /// True while the AMQP connection is up.
+    pub fn is_connected(&self) -> bool {
+        self.connection.status().connected()
+    }
+
+    /// Closes the connection (best effort) and stops the tasks.
+    pub async fn close(self) {
+        let _ = self.connection.close(200, "pgoutbox shutdown".into()).await;
+        for task in self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Polls a batch of futures, first-polling them in index order, until all are ready.
+struct InOrder<F: Future + Unpin> {
+    futures: Vec<Option<F>>,
+    outputs: Vec<Option<F::Output>>,
+}
+
+impl<F: Future + Unpin> Future for InOrder<F>
+where
+    F::Output: Unpin,
+{
+    type Output = Vec<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let mut pending = false;
+        for (slot, out) in this.futures.iter_mut().zip(this.outputs.iter_mut()) {
+            if let Some(fut) = slot {
+                match Pin::new(fut).poll(cx) {
+                    Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(this.outputs.iter_mut().filter_map(Option::take).collect())
+        }
+    }
+}
+
+struct Pending<T> {
+    tag: T,
+    match_key: String,
+    confirm: Option<PublisherConfirm>,
+    failure: Option<String>,
+}
+
+async fn publish_task<T: Send + 'static>(
+    channel: Channel,
+    exchange: ShortString,
+    mut rx: mpsc::UnboundedReceiver<OutboundMessage<T>>,
+    confirm_tx: mpsc::UnboundedSender<Pending<T>>,
+) {
+    let mut batch = Vec::with_capacity(PUBLISH_BATCH);
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    while rx.recv_many(&mut batch, PUBLISH_BATCH).await > 0 {
+        let mut keys = Vec::with_capacity(batch.len());
+        let mut futures = Vec::with_capacity(batch.len());
+        for m in batch.drain(..) {
+            let OutboundMessage {
+                tag,
+                routing_key,
+                body,
+                properties,
+                match_key,
+            } = m;
+            keys.push((tag, match_key));
+            let channel = channel.clone();
+            let exchange = exchange.clone();
+            futures.push(Some(Box::pin(async move {
+                channel
+                    .basic_publish(exchange, routing_key, options, &body, properties)
+                    .await
+            })));
+        }
+        let outputs: Vec<Option<_>> = futures.iter().map(|_| None).collect();
+        let results = InOrder { futures, outputs }.await;
+        for ((tag, match_key), result) in keys.into_iter().zip(results) {
+            let pending = match result {
+                Ok(confirm) => Pending {
+                    tag,
+                    match_key,
+                    confirm: Some(confirm),
+                    failure: None,
+                },
+                Err(e) => Pending {
+                    tag,
+                    match_key,
+                    confirm: None,
+                    failure: Some(e.to_string()),
+                },
+            };
+            if confirm_tx.send(pending).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+fn returned_key(ret: &lapin::message::BasicReturnMessage) -> Option<String> {
+    let headers = ret.delivery.properties.headers().as_ref()?;
+    match headers.inner().get(MATCH_KEY_HEADER)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+async fn confirm_task<T: Send + 'static>(
+    channel: Channel,
+    mut rx: mpsc::UnboundedReceiver<Pending<T>>,
+    outcome_tx: mpsc::UnboundedSender<Vec<(T, PublishOutcome)>>,
+) {
+    let mut queue: VecDeque<Pending<T>> = VecDeque::new();
+    // Match keys of returned messages whose own confirm has not been classified yet.
+    let mut returned: HashSet<String> = HashSet::new();
+    let mut reasons: std::collections::HashMap<String, (u16, String)> = Default::default();
+    let mut input_open = true;
+    loop {
+        if queue.is_empty() {
+            if !input_open {
+                return;
+            }
+            match rx.recv().await {
+                Some(p) => queue.push_back(p),
+                None => return,
+            }
+        }
+        // Wait for the front confirm, taking new pendings meanwhile.
+        let mut incoming = None;
+        let front_ready = {
+            let front = queue.front_mut();
+            let fut = async {
+                match front {
+                    Some(Pending {
+                        confirm: Some(c), ..
+                    }) => Some(c.await),
+                    _ => None,
+                }
+            };
+            tokio::select! {
+                biased;
+                r = fut => Some(r),
+                p = rx.recv(), if input_open => {
+                    match p {
+                        Some(p) => incoming = Some(p),
+                        None => input_open = false,
+                    }
+                    None
+                }
+            }
+        };
+        if let Some(p) = incoming {
+            queue.push_back(p);
+        }
+        let Some(first) = front_ready else { continue };
+        // Barrier: the first poll of wait_for_confirms takes lapin's acknowledgement lock,
+        // so the ack loop that resolved the front has finished resolving its whole range.
+        let _ = channel.wait_for_confirms().now_or_never();
+        let mut results: Vec<(Pending<T>, Result<Confirmation, String>)> = Vec::new();
+        if let Some(p) = queue.pop_front() {
+            let r = match (first, &p.failure) {
+                (Some(r), _) => r.map_err(|e| e.to_string()),
+                (None, Some(f)) => Err(f.clone()),
+                (None, None) => Err("no confirm".into()),
+            };
+            results.push((p, r));
+        }
+        while let Some(front) = queue.front_mut() {
+            let r = match &mut front.confirm {
+                Some(c) => match c.now_or_never() {
+                    Some(r) => r.map_err(|e| e.to_string()),
+                    None => break,
+                },
+                None => Err(front.failure.clone().unwrap_or_default()),
+            };
+            if let Some(p) = queue.pop_front() {
+                results.push((p, r));
+            }
+        }
+        for (_, r) in &mut results {
+            if let Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret))) = r {
+                if let Some(key) = returned_key(ret) {
+                    reasons.insert(
+                        key.clone(),
+                        (ret.reply_code, ret.reply_text.as_str().to_owned()),
+                    );
+                    returned.insert(key);
+                }
+            }
+        }
+        let batch: Vec<(T, PublishOutcome)> = results
+            .into_iter()
+            .map(|(p, r)| {
+                let outcome = match r {
+                    Err(error) => PublishOutcome::Failed { error },
+                    Ok(Confirmation::Nack(_)) => PublishOutcome::Nacked,
+                    Ok(Confirmation::NotRequested) => PublishOutcome::Failed {
+                        error: "publisher confirms were not enabled".into(),
+                    },
+                    Ok(Confirmation::Ack(_)) => {
+                        if returned.remove(&p.match_key) {
+                            let (reply_code, reply_text) = reasons
+                                .remove(&p.match_key)
+                                .unwrap_or((312, "NO_ROUTE".into()));
+                            PublishOutcome::Returned {
+                                reply_code,
+                                reply_text,
+                            }
+                        } else {
+                            PublishOutcome::Routed
+                        }
+                    }
+                };
+                (p.tag, outcome)
+            })
+            .collect();
+        if outcome_tx.send(batch).is_err() {
+            return;
+        }
+    }
+}

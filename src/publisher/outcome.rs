@@ -1,0 +1,50 @@
+//! Our own exhaustive outcome of one publish, mapped from lapin's `Confirmation`.
+//!
+//! Source: RabbitMQ "Consumer Acknowledgements and Publisher Confirms": an unroutable
+//! `mandatory` message is returned (`basic.return`, 312 NO_ROUTE) **and then acked**, so an
+//! ack alone does not mean delivered. lapin reports it as `Ack(Some(returned))`, attached to
+//! whichever confirm its ack loop resolves first, so returns are matched to publishes by our
+//! match key (the message LSN header), never by which future carried them.
+
+/// What became of one published message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublishOutcome {
+    /// Acked by the broker and not returned: routed to at least one queue and stored.
+    Routed,
+    /// Returned by the broker (`basic.return`), typically 312 NO_ROUTE; not delivered.
+    Returned {
+        /// AMQP reply code, e.g. 312.
+        reply_code: u16,
+        /// AMQP reply text, e.g. `NO_ROUTE`.
+        reply_text: String,
+    },
+    /// Negatively acknowledged (`basic.nack`): the broker did not take responsibility.
+    Nacked,
+    /// The channel or connection failed before a confirm arrived: outcome unknown,
+    /// treated as not delivered.
+    Failed {
+        /// The lapin error, rendered.
+        error: String,
+    },
+}
+
+impl PublishOutcome {
+    /// True only for [`PublishOutcome::Routed`]: the one outcome that may move the LSN.
+    pub fn is_routed(&self) -> bool {
+        matches!(self, PublishOutcome::Routed)
+    }
+}
+
+impl std::fmt::Display for PublishOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PublishOutcome::Routed => write!(f, "routed"),
+            PublishOutcome::Returned {
+                reply_code,
+                reply_text,
+            } => write!(f, "returned by the broker ({reply_code} {reply_text})"),
+            PublishOutcome::Nacked => write!(f, "nacked by the broker"),
+            PublishOutcome::Failed { error } => write!(f, "failed before a confirm: {error}"),
+        }
+    }
+}

@@ -1,0 +1,483 @@
+//! Opening a `replication=database` session and entering CopyBoth.
+//!
+//! Follows the PostgreSQL docs, "Frontend/Backend Protocol / Message Flow / Start-up" and
+//! "Streaming Replication Protocol": a StartupMessage with `replication=database`, then
+//! authentication (trust, cleartext password, MD5, SCRAM-SHA-256 without channel binding),
+//! then simple-query commands (`IDENTIFY_SYSTEM`, `SHOW`), then
+//! `START_REPLICATION SLOT s LOGICAL lsn (options)`, which the server answers with a
+//! CopyBothResponse (`W`). postgres-protocol does not parse `W`, so it is handled here.
+
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256, SCRAM_SHA_256};
+use postgres_protocol::message::{backend, frontend};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+use tokio_postgres::config::{Host, SslMode};
+
+use crate::lsn::Lsn;
+use crate::replication::error::{Error, ServerError};
+use crate::replication::session::ReplicationStream;
+
+/// A byte stream to the server: TCP or a Unix-domain socket.
+pub(crate) trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
+
+/// How long connecting (TCP connect plus authentication) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Initial capacity of the read buffer in bytes. Large reads keep the walsender from being
+/// woken for every small chunk (see FACTS.md: the reader should read eagerly, in big chunks).
+pub(crate) const READ_CHUNK: usize = 1 << 20;
+
+/// What `IDENTIFY_SYSTEM` returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SystemIdentity {
+    /// The cluster's system identifier.
+    pub system_id: String,
+    /// The current timeline ID.
+    pub timeline: u32,
+    /// The current WAL flush position (not used for acknowledgement).
+    pub xlogpos: Lsn,
+    /// The database this session is connected to.
+    pub dbname: Option<String>,
+}
+
+/// A replication session before `START_REPLICATION`: it can run simple-query commands.
+pub struct ReplicationConnection {
+    socket: Box<dyn Socket>,
+    read_buf: BytesMut,
+    write_buf: BytesMut,
+}
+
+impl std::fmt::Debug for ReplicationConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicationConnection")
+            .finish_non_exhaustive()
+    }
+}
+
+/// Refuses TLS settings before any byte is sent: TLS is not built yet and a plaintext
+/// connection must never be made when TLS was asked for.
+///
+/// # Errors
+/// [`Error::TlsUnsupported`] for `sslmode=require|verify-ca|verify-full` in `raw_url`.
+pub fn refuse_tls(raw_url: &str) -> Result<(), Error> {
+    for mode in ["require", "verify-ca", "verify-full"] {
+        if raw_url.contains(&format!("sslmode={mode}")) {
+            return Err(Error::TlsUnsupported {
+                mode: mode.to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl ReplicationConnection {
+    /// Connects and authenticates with `replication=database`.
+    ///
+    /// `config` comes from a `postgres://` URL or a key=value string (tokio-postgres' parser);
+    /// the first host is used; a host starting with `/` is a Unix-socket directory.
+    /// `application_name` shows up in `pg_stat_replication` and the server log.
+    ///
+    /// # Errors
+    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::Io`] when the connect fails;
+    /// [`Error::Server`] when authentication or the startup is refused (for example `42501`
+    /// when the role lacks `REPLICATION`); [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
+    pub async fn connect(
+        config: &tokio_postgres::Config,
+        application_name: &str,
+    ) -> Result<ReplicationConnection, Error> {
+        if config.get_ssl_mode() == SslMode::Require {
+            return Err(Error::TlsUnsupported {
+                mode: "require".into(),
+            });
+        }
+        let user = config
+            .get_user()
+            .ok_or_else(|| Error::Settings("no user in the database URL".into()))?
+            .to_owned();
+        let host = config
+            .get_hosts()
+            .first()
+            .cloned()
+            .unwrap_or_else(|| Host::Unix("/var/run/postgresql".into()));
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let socket: Box<dyn Socket> = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            match &host {
+                Host::Tcp(name) => {
+                    let s = TcpStream::connect((name.as_str(), port)).await?;
+                    s.set_nodelay(true)?;
+                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
+                }
+                Host::Unix(dir) => {
+                    let path = dir.join(format!(".s.PGSQL.{port}"));
+                    let s = UnixStream::connect(path).await?;
+                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
+                }
+            }
+        })
+        .await
+        .map_err(|_| Error::Io {
+            context: "connecting",
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+        })?
+        .map_err(|source| Error::Io {
+            context: "connecting",
+            source,
+        })?;
+
+        let mut conn = ReplicationConnection {
+            socket,
+            read_buf: BytesMut::with_capacity(64 * 1024),
+            write_buf: BytesMut::with_capacity(1024),
+        };
+        let dbname = config.get_dbname().unwrap_or(&user).to_owned();
+        let mut params: Vec<(&str, &str)> = vec![
+            ("user", user.as_str()),
+            ("database", dbname.as_str()),
+            ("replication", "database"),
+            ("application_name", application_name),
+            ("client_encoding", "UTF8"),
+        ];
+        let options = config.get_options().map(str::to_owned);
+        if let Some(options) = options.as_deref() {
+            params.push(("options", options));
+        }
+        frontend::startup_message(params.iter().copied(), &mut conn.write_buf).map_err(
+            |source| Error::Io {
+                context: "encoding the startup message",
+                source,
+            },
+        )?;
+        conn.flush("sending the startup message").await?;
+        tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            conn.authenticate(&user, config.get_password()),
+        )
+        .await
+        .map_err(|_| Error::Io {
+            context: "authenticating",
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "authentication timed out"),
+        })??;
+        Ok(conn)
+    }
+
+    async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<(), Error> {
+        const CTX: &str = "authenticating";
+        let need_password = || Error::PasswordMissing {
+            user: user.to_owned(),
+        };
+        let mut scram: Option<ScramSha256> = None;
+        loop {
+            match self.read_message(CTX).await? {
+                backend::Message::AuthenticationOk => {}
+                backend::Message::AuthenticationCleartextPassword => {
+                    let pw = password.ok_or_else(need_password)?;
+                    self.send_password(pw).await?;
+                }
+                backend::Message::AuthenticationMd5Password(body) => {
+                    let pw = password.ok_or_else(need_password)?;
+                    let hash = postgres_protocol::authentication::md5_hash(
+                        user.as_bytes(),
+                        pw,
+                        body.salt(),
+                    );
+                    self.send_password(hash.as_bytes()).await?;
+                }
+                backend::Message::AuthenticationSasl(body) => {
+                    use fallible_iterator::FallibleIterator;
+                    let pw = password.ok_or_else(need_password)?;
+                    let mut mechanisms = body.mechanisms();
+                    let mut has_scram = false;
+                    while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
+                        context: CTX,
+                        detail: format!("bad SASL mechanism list: {e}"),
+                    })? {
+                        has_scram |= m == SCRAM_SHA_256;
+                    }
+                    if !has_scram {
+                        return Err(Error::UnsupportedAuth {
+                            method: "SASL without SCRAM-SHA-256".into(),
+                        });
+                    }
+                    // Channel binding needs TLS, which we do not speak yet.
+                    let s = ScramSha256::new(pw, ChannelBinding::unsupported());
+                    frontend::sasl_initial_response(
+                        SCRAM_SHA_256,
+                        s.message(),
+                        &mut self.write_buf,
+                    )
+                    .map_err(|source| Error::Io {
+                        context: CTX,
+                        source,
+                    })?;
+                    self.flush(CTX).await?;
+                    scram = Some(s);
+                }
+                backend::Message::AuthenticationSaslContinue(body) => {
+                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
+                        context: CTX,
+                        detail: "SASLContinue before SASL".into(),
+                    })?;
+                    s.update(body.data()).map_err(Error::Scram)?;
+                    frontend::sasl_response(s.message(), &mut self.write_buf).map_err(
+                        |source| Error::Io {
+                            context: CTX,
+                            source,
+                        },
+                    )?;
+                    self.flush(CTX).await?;
+                }
+                backend::Message::AuthenticationSaslFinal(body) => {
+                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
+                        context: CTX,
+                        detail: "SASLFinal before SASL".into(),
+                    })?;
+                    s.finish(body.data()).map_err(Error::Scram)?;
+                }
+                backend::Message::AuthenticationKerberosV5 => {
+                    return Err(Error::UnsupportedAuth {
+                        method: "Kerberos V5".into(),
+                    })
+                }
+                backend::Message::AuthenticationScmCredential => {
+                    return Err(Error::UnsupportedAuth {
+                        method: "SCM credential".into(),
+                    })
+                }
+                backend::Message::AuthenticationGss | backend::Message::AuthenticationSspi => {
+                    return Err(Error::UnsupportedAuth {
+                        method: "GSSAPI/SSPI".into(),
+                    })
+                }
+                backend::Message::ParameterStatus(_)
+                | backend::Message::BackendKeyData(_)
+                | backend::Message::NoticeResponse(_) => {}
+                backend::Message::ReadyForQuery(_) => return Ok(()),
+                backend::Message::ErrorResponse(body) => {
+                    return Err(Error::Server {
+                        context: "the connection",
+                        error: Box::new(ServerError::from_body(&body)),
+                    })
+                }
+                _ => {
+                    return Err(Error::Protocol {
+                        context: CTX,
+                        detail: "unexpected message during startup".into(),
+                    })
+                }
+            }
+        }
+    }
+
+    async fn send_password(&mut self, pw: &[u8]) -> Result<(), Error> {
+        frontend::password_message(pw, &mut self.write_buf).map_err(|source| Error::Io {
+            context: "sending the password",
+            source,
+        })?;
+        self.flush("sending the password").await
+    }
+
+    async fn flush(&mut self, context: &'static str) -> Result<(), Error> {
+        self.socket
+            .write_all(&self.write_buf)
+            .await
+            .map_err(|source| Error::Io { context, source })?;
+        self.write_buf.clear();
+        Ok(())
+    }
+
+    /// Reads one backend message; a `W` (CopyBothResponse) is returned as `None`.
+    async fn read_message_or_copy_both(
+        &mut self,
+        context: &'static str,
+    ) -> Result<Option<backend::Message>, Error> {
+        loop {
+            if self.read_buf.first() == Some(&b'W') && self.read_buf.len() >= 5 {
+                let len = i32::from_be_bytes([
+                    self.read_buf[1],
+                    self.read_buf[2],
+                    self.read_buf[3],
+                    self.read_buf[4],
+                ]);
+                let total = usize::try_from(len)
+                    .ok()
+                    .filter(|l| *l >= 4)
+                    .map(|l| l + 1)
+                    .ok_or_else(|| Error::Protocol {
+                        context,
+                        detail: format!("CopyBothResponse with length {len}"),
+                    })?;
+                if self.read_buf.len() >= total {
+                    self.read_buf.advance(total);
+                    return Ok(None);
+                }
+            } else if let Some(msg) =
+                backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
+                    context,
+                    detail: e.to_string(),
+                })?
+            {
+                return Ok(Some(msg));
+            }
+            let n = self
+                .socket
+                .read_buf(&mut self.read_buf)
+                .await
+                .map_err(|source| Error::Io { context, source })?;
+            if n == 0 {
+                return Err(Error::Closed { context });
+            }
+        }
+    }
+
+    async fn read_message(&mut self, context: &'static str) -> Result<backend::Message, Error> {
+        self.read_message_or_copy_both(context)
+            .await?
+            .ok_or_else(|| Error::Protocol {
+                context,
+                detail: "unexpected CopyBothResponse".into(),
+            })
+    }
+
+    /// Runs one simple-query command and returns its rows as text (NULL as `None`).
+    ///
+    /// # Errors
+    /// [`Error::Server`] when the command fails; I/O and protocol errors.
+    pub async fn simple_query(
+        &mut self,
+        sql: &str,
+        context: &'static str,
+    ) -> Result<Vec<Vec<Option<String>>>, Error> {
+        frontend::query(sql, &mut self.write_buf)
+            .map_err(|source| Error::Io { context, source })?;
+        self.flush(context).await?;
+        let mut rows = Vec::new();
+        let mut failure = None;
+        loop {
+            match self.read_message(context).await? {
+                backend::Message::DataRow(body) => {
+                    use fallible_iterator::FallibleIterator;
+                    let buf = body.buffer();
+                    let mut row = Vec::new();
+                    let mut ranges = body.ranges();
+                    while let Some(range) = ranges.next().map_err(|e| Error::Protocol {
+                        context,
+                        detail: e.to_string(),
+                    })? {
+                        row.push(
+                            range
+                                .and_then(|r| buf.get(r))
+                                .map(|b| String::from_utf8_lossy(b).into_owned()),
+                        );
+                    }
+                    rows.push(row);
+                }
+                backend::Message::ErrorResponse(body) => {
+                    failure = Some(ServerError::from_body(&body));
+                }
+                backend::Message::ReadyForQuery(_) => {
+                    return match failure {
+                        Some(error) => Err(Error::Server {
+                            context,
+                            error: Box::new(error),
+                        }),
+                        None => Ok(rows),
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Runs `IDENTIFY_SYSTEM`.
+    ///
+    /// # Errors
+    /// As [`ReplicationConnection::simple_query`], plus [`Error::Protocol`] on a short row.
+    pub async fn identify_system(&mut self) -> Result<SystemIdentity, Error> {
+        const CTX: &str = "running IDENTIFY_SYSTEM";
+        let rows = self.simple_query("IDENTIFY_SYSTEM", CTX).await?;
+        let bad = |detail: &str| Error::Protocol {
+            context: CTX,
+            detail: detail.to_owned(),
+        };
+        let row = rows.first().ok_or_else(|| bad("no row"))?;
+        let field = |i: usize| row.get(i).cloned().flatten();
+        Ok(SystemIdentity {
+            system_id: field(0).ok_or_else(|| bad("no systemid"))?,
+            timeline: field(1)
+                .and_then(|t| t.parse().ok())
+                .ok_or_else(|| bad("bad timeline"))?,
+            xlogpos: field(2)
+                .and_then(|t| t.parse().ok())
+                .ok_or_else(|| bad("bad xlogpos"))?,
+            dbname: field(3),
+        })
+    }
+
+    /// Reads a server setting with `SHOW name` (allowed on replication connections).
+    ///
+    /// # Errors
+    /// As [`ReplicationConnection::simple_query`].
+    pub async fn show(&mut self, name: &str) -> Result<Option<String>, Error> {
+        let rows = self
+            .simple_query(&format!("SHOW {name}"), "reading a server setting")
+            .await?;
+        Ok(rows
+            .into_iter()
+            .next()
+            .and_then(|r| r.into_iter().next().flatten()))
+    }
+
+    /// Sends `START_REPLICATION SLOT slot LOGICAL start (options)` and waits for CopyBoth.
+    ///
+    /// `options` are pgoutput's, e.g. `[("proto_version", "1"), ("publication_names", "p"),
+    /// ("messages", "true")]`; values are quoted here. The slot name must be a valid
+    /// identifier (checked by the caller's config validation).
+    ///
+    /// # Errors
+    /// [`Error::Server`] when the server refuses (slot missing `42704`, slot active `55006`,
+    /// bad option `22023`); I/O errors.
+    pub async fn start_logical_replication(
+        mut self,
+        slot: &str,
+        start: Lsn,
+        options: &[(&str, &str)],
+    ) -> Result<ReplicationStream, Error> {
+        const CTX: &str = "starting replication";
+        let opts = options
+            .iter()
+            .map(|(k, v)| format!("\"{k}\" '{}'", v.replace('\'', "''")))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!("START_REPLICATION SLOT \"{slot}\" LOGICAL {start} ({opts})");
+        frontend::query(&sql, &mut self.write_buf).map_err(|source| Error::Io {
+            context: CTX,
+            source,
+        })?;
+        self.flush(CTX).await?;
+        loop {
+            match self.read_message_or_copy_both(CTX).await? {
+                None => break,
+                Some(backend::Message::ErrorResponse(body)) => {
+                    return Err(Error::Server {
+                        context: CTX,
+                        error: Box::new(ServerError::from_body(&body)),
+                    })
+                }
+                Some(backend::Message::NoticeResponse(_)) => {}
+                Some(_) => {
+                    return Err(Error::Protocol {
+                        context: CTX,
+                        detail: "expected CopyBothResponse".into(),
+                    })
+                }
+            }
+        }
+        let mut read_buf = std::mem::take(&mut self.read_buf);
+        read_buf.reserve(READ_CHUNK);
+        Ok(ReplicationStream::new(self.socket, read_buf))
+    }
+}
