@@ -1,1 +1,236 @@
+//! Integration-test harness for pgoutbox.
+//!
+//! Starts throwaway PostgreSQL clusters and RabbitMQ nodes from Rust (no
+//! dependency on `deploy/stack.sh`), spawns the `pgoutbox` binary, and offers
+//! AMQP helpers. Everything lives in `/tmp/pgoutbox-*` directories that are
+//! removed when the server is stopped.
+//!
+//! Lifetime rules:
+//! * `Postgres::shared()` / `RabbitMq::shared()` start one server per test
+//!   process, lazily. Statics are never dropped, so each server gets a
+//!   *watchdog* shell process (in its own process group, so ^C does not kill
+//!   it) that waits for the test process to disappear and then runs the
+//!   server's `cleanup.sh`.
+//! * `start_private()` servers are stopped on `Drop` (and also have a
+//!   watchdog in case the test process is killed or aborts).
+//!
+//! Environment knobs:
+//! * `PGOUTBOX_TEST_SCALE` multiplies durations/counts (default 1.0).
+//! * `PGOUTBOX_PG_BIN_DIR` overrides the PostgreSQL bin directory.
+//! * `PGOUTBOX_RABBITMQ_BIN_DIR` overrides the RabbitMQ scripts directory.
+//! * `PGOUTBOX_TEST_KEEP=1` keeps server directories after stop (debugging).
+#![allow(dead_code, unused_imports)]
 
+pub mod amqp;
+pub mod postgres;
+pub mod rabbit;
+pub mod streamer;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub use amqp::{
+    amqp_connect, declare_bound_queue, drain_queue, publish, purge_queue, queue_len, Received,
+};
+pub use postgres::Postgres;
+pub use rabbit::RabbitMq;
+pub use streamer::Streamer;
+
+/// Scale factor for durations/counts, from `PGOUTBOX_TEST_SCALE` (default 1.0).
+pub fn scale() -> f64 {
+    std::env::var("PGOUTBOX_TEST_SCALE")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|f| f.is_finite() && *f > 0.0)
+        .unwrap_or(1.0)
+}
+
+/// `d * scale()`.
+pub fn scaled(d: Duration) -> Duration {
+    d.mul_f64(scale())
+}
+
+/// `n * scale()`, at least 1.
+pub fn scaled_count(n: usize) -> usize {
+    ((n as f64) * scale()).round().max(1.0) as usize
+}
+
+/// Lowercase unique identifier `<prefix>_<pid>_<counter>`, safe as a database,
+/// slot, exchange or queue name (only `[a-z0-9_]`; prefix is sanitized).
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut p: String = prefix
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if p.is_empty() || !p.starts_with(|c: char| c.is_ascii_lowercase()) {
+        p.insert(0, 't');
+    }
+    // Keep well below NAMEDATALEN (63).
+    p.truncate(40);
+    format!("{p}_{}_{n}", std::process::id())
+}
+
+/// Poll `f` every 50 ms until it returns true (→ `true`) or `timeout` passes
+/// (→ `false`, after one last check). Use this instead of sleeping.
+pub async fn wait_until<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Blocking variant of [`wait_until`] for synchronous code.
+pub fn wait_until_blocking(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// True when running as root (effective uid 0), without libc.
+pub fn is_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
+}
+
+/// A free TCP port on 127.0.0.1, never the same twice within this process.
+pub fn free_port() -> u16 {
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    let mut guard = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let set = guard.get_or_insert_with(HashSet::new);
+    for _ in 0..1000 {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("bind 127.0.0.1:0");
+        // Stay away from the Erlang "port + 20000" / "port + 10000" conventions
+        // overflowing, and from ports we already gave out.
+        if !(1024..=45000).contains(&port) || !set.insert(port) {
+            continue;
+        }
+        return port;
+    }
+    panic!("could not find a free port");
+}
+
+/// True if something accepts TCP connections on 127.0.0.1:port.
+pub fn port_open(port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )
+    .is_ok()
+}
+
+/// Create a persistent, short directory `/tmp/<prefix>XXXXXX` (short because of
+/// the ~107-byte Unix socket path limit). Removal is the caller's job.
+pub(crate) fn make_server_dir(prefix: &str) -> PathBuf {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .expect("create temp dir in /tmp")
+        .keep()
+}
+
+/// Spawn a watchdog: a detached `sh` that waits until this test process exits
+/// or `dir/.alive` disappears. If the test process died while `.alive` still
+/// exists, it runs `dir/cleanup.sh` and removes `dir`.
+///
+/// Drop impls remove `.alive` first, then clean up themselves.
+pub(crate) fn spawn_watchdog(dir: &Path) {
+    let alive = dir.join(".alive");
+    std::fs::write(&alive, b"").expect("write .alive");
+    let keep = std::env::var("PGOUTBOX_TEST_KEEP").is_ok_and(|v| v == "1");
+    let script = format!(
+        r#"
+while kill -0 {pid} 2>/dev/null && [ -e '{alive}' ]; do sleep 0.3; done
+if [ -e '{alive}' ]; then
+  sh '{dir}/cleanup.sh' >'{dir}/watchdog.log' 2>&1
+  {rm}
+fi
+"#,
+        pid = std::process::id(),
+        alive = alive.display(),
+        dir = dir.display(),
+        rm = if keep {
+            String::from("true")
+        } else {
+            format!("rm -rf '{}'", dir.display())
+        },
+    );
+    // Double fork: the outer sh backgrounds the loop and exits at once (we reap
+    // it), so the watchdog is re-parented and never becomes our zombie. Its
+    // own process group keeps it safe from ^C aimed at `cargo test`.
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!("( {script} ) </dev/null >/dev/null 2>&1 &"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .status()
+        .expect("spawn watchdog");
+    assert!(status.success(), "watchdog launcher failed: {status}");
+}
+
+/// Run a server's cleanup script now (used by Drop): marks it not alive so the
+/// watchdog exits, runs `cleanup.sh`, removes the directory.
+pub(crate) fn cleanup_now(dir: &Path) {
+    let _ = std::fs::remove_file(dir.join(".alive"));
+    let _ = Command::new("sh")
+        .arg(dir.join("cleanup.sh"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !std::env::var("PGOUTBOX_TEST_KEEP").is_ok_and(|v| v == "1") {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Single-quote `s` for sh.
+pub(crate) fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Last `n` lines of a file (for panic messages).
+pub(crate) fn tail(path: &Path, n: usize) -> String {
+    let s = std::fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

@@ -1,0 +1,169 @@
+//! Smoke tests proving the test harness itself works.
+
+use std::time::Duration;
+
+use lapin::BasicProperties;
+
+use crate::support::{self, Postgres, RabbitMq};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_shared_postgres_and_rabbitmq() {
+    let pg = Postgres::shared();
+    let client = pg.client("postgres").await;
+    let row = client.query_one("SHOW wal_level", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "logical");
+
+    let db = pg.create_database("smoke").await;
+    assert!(db.starts_with("smoke_"), "{db}");
+
+    // Password roles over TCP: right password works, wrong one fails.
+    for role in ["pw_scram", "pw_md5", "pw_cleartext"] {
+        let c = Postgres::client_url(&pg.url_as(role, role, &db))
+            .await
+            .unwrap_or_else(|e| panic!("{role}: {e:?}"));
+        let who: String = c
+            .query_one("SELECT current_user::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(who, role);
+        assert!(Postgres::client_url(&pg.url_as(role, "wrong", &db))
+            .await
+            .is_err());
+    }
+    let stored: String = client
+        .query_one(
+            "SELECT rolpassword FROM pg_authid WHERE rolname = 'pw_md5'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(stored.starts_with("md5"), "{stored}");
+
+    let rmq = RabbitMq::shared();
+    let url = rmq.url();
+    let exchange = support::unique("smoke_x");
+    let queue = support::unique("smoke_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "orders.#").await;
+    let props = BasicProperties::default()
+        .with_message_id("m-1".into())
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_timestamp(1_700_000_000);
+    support::publish(&url, &exchange, "orders.created", br#"{"a":1}"#, props).await;
+    support::publish(
+        &url,
+        &exchange,
+        "other.created",
+        b"unrouted",
+        BasicProperties::default(),
+    )
+    .await;
+    let got = support::drain_queue(&url, &queue, 1, support::scaled(Duration::from_secs(5))).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].body_json()["a"], 1);
+    assert_eq!(got[0].message_id.as_deref(), Some("m-1"));
+    assert_eq!(got[0].routing_key, "orders.created");
+    assert_eq!(got[0].content_type.as_deref(), Some("application/json"));
+    assert_eq!(got[0].delivery_mode, Some(2));
+    assert_eq!(got[0].timestamp, Some(1_700_000_000));
+    assert_eq!(support::queue_len(&url, &queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_private_servers() {
+    // Start private servers while the shared ones (maybe) start concurrently.
+    let (pg, rmq) = tokio::task::spawn_blocking(|| {
+        let pg = std::thread::spawn(|| {
+            Postgres::start_private(&[("max_replication_slots", "4"), ("wal_sender_timeout", "5s")])
+        });
+        let rmq = RabbitMq::start_private();
+        (pg.join().unwrap(), rmq)
+    })
+    .await
+    .unwrap();
+    assert_ne!(pg.port(), Postgres::shared().port());
+    assert_ne!(rmq.port(), RabbitMq::shared().port());
+
+    let c = pg.client("postgres").await;
+    let v: String = c
+        .query_one("SHOW max_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(v, "4");
+    // Slot creation works (logical decoding enabled).
+    let slot = support::unique("smoke_slot");
+    c.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&slot],
+    )
+    .await
+    .unwrap();
+
+    // Restart keeps data dir and port.
+    drop(c);
+    pg.stop_fast();
+    assert!(!pg.is_running());
+    pg.start();
+    let c = pg.client("postgres").await;
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    assert!(pg.log_contents().contains("database system is ready"));
+
+    // rabbitmqctl against the private node; block/unblock; stop/start app.
+    let url = rmq.url();
+    let q = support::unique("smoke_priv_q");
+    let x = support::unique("smoke_priv_x");
+    support::declare_bound_queue(&url, &x, &q, "#").await;
+    assert!(rmq.ctl_ok(&["-q", "list_queues", "name"]).contains(&q));
+    rmq.block();
+    rmq.unblock();
+    rmq.stop_app();
+    assert!(!support::port_open(rmq.port()));
+    rmq.start_app();
+    support::publish(&url, &x, "k", b"after restart", BasicProperties::default()).await;
+    let got = support::drain_queue(&url, &q, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body_str(), "after restart");
+}
+
+#[tokio::test]
+async fn harness_helpers() {
+    let a = support::unique("Foo-Bar");
+    let b = support::unique("Foo-Bar");
+    assert_ne!(a, b);
+    assert!(a.starts_with("foo_bar_"));
+    assert!(a
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+    assert!(support::scale() > 0.0);
+
+    let s = support::Streamer::spawn_program(
+        "sh",
+        &[
+            "-c",
+            "echo hello-from-child; echo \"rust_log=$RUST_LOG\"; exec sleep 30",
+        ],
+        &[("X", "1")],
+    );
+    assert!(
+        s.wait_for_log("hello-from-child", Duration::from_secs(5))
+            .await
+    );
+    assert!(s.log().contains("rust_log=info"));
+    assert!(s.wait_exit(Duration::from_millis(100)).await.is_none());
+    s.sigterm();
+    let st = s.wait_exit(Duration::from_secs(5)).await.expect("exited");
+    assert!(!st.success());
+    assert!(support::wait_until(Duration::from_secs(1), || async { true }).await);
+    assert!(!support::wait_until(Duration::from_millis(200), || async { false }).await);
+}

@@ -1,0 +1,325 @@
+//! Throwaway RabbitMQ nodes for integration tests.
+//!
+//! Each node is fully private: own node name, AMQP port, distribution port,
+//! epmd port (`ERL_EPMD_PORT`, so the system epmd on 4369 is never used),
+//! rabbitmqctl distribution port range, mnesia/log dirs, empty plugin list,
+//! and a private `HOME` holding the Erlang cookie. `rabbitmqctl` is always
+//! invoked with the very same environment (see [`RabbitMq::env`]).
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::{cleanup_now, free_port, make_server_dir, port_open, sh_quote, spawn_watchdog, tail};
+
+/// A RabbitMQ node in `/tmp/pgoutbox-rmq-XXXXXX` (server output in
+/// `server.out`, broker log under `log/`). `guest`/`guest` works on loopback.
+#[derive(Debug)]
+pub struct RabbitMq {
+    root: PathBuf,
+    bin: PathBuf,
+    nodename: String,
+    amqp_port: u16,
+    dist_port: u16,
+    epmd_port: u16,
+    ctl_port_min: u16,
+    server: Mutex<Option<Child>>,
+    private: bool,
+}
+
+static SHARED: OnceLock<RabbitMq> = OnceLock::new();
+
+impl RabbitMq {
+    /// The per-process shared node (lazy, thread-safe, stopped by a watchdog
+    /// when the test process exits). Use unique exchange/queue names on it,
+    /// and never block/stop it: use [`RabbitMq::start_private`] for that.
+    pub fn shared() -> &'static RabbitMq {
+        SHARED.get_or_init(|| RabbitMq::start_new(false))
+    }
+
+    /// A private node (for block/unblock, stop_app, closing connections…);
+    /// stopped on Drop.
+    pub fn start_private() -> RabbitMq {
+        RabbitMq::start_new(true)
+    }
+
+    fn start_new(private: bool) -> RabbitMq {
+        let t0 = Instant::now();
+        let bin = find_bin_dir();
+        let root = make_server_dir("pgoutbox-rmq-");
+        let amqp_port = free_port();
+        let dist_port = free_port();
+        let epmd_port = free_port();
+        let ctl_port_min = free_port();
+        let nodename = format!(
+            "{}@localhost",
+            super::unique("pgoutbox-test").replace('_', "-")
+        );
+        let r = RabbitMq {
+            root,
+            bin,
+            nodename,
+            amqp_port,
+            dist_port,
+            epmd_port,
+            ctl_port_min,
+            server: Mutex::new(None),
+            private,
+        };
+        for d in ["home", "mnesia", "log"] {
+            std::fs::create_dir_all(r.root.join(d)).expect("mkdir");
+        }
+        set_mode(&r.root.join("home"), 0o700);
+        std::fs::write(r.root.join("enabled_plugins"), "[].\n").unwrap();
+        std::fs::write(r.root.join("rabbitmq-env.conf"), "").unwrap();
+        std::fs::write(
+            r.root.join("rabbitmq.conf"),
+            format!(
+                "listeners.tcp.default = 127.0.0.1:{amqp_port}\n\
+                 loopback_users.guest = true\n\
+                 log.file.level = info\n\
+                 log.console = false\n"
+            ),
+        )
+        .unwrap();
+        r.write_cleanup_script();
+        spawn_watchdog(&r.root);
+        r.spawn_server();
+        eprintln!(
+            "[harness] rabbitmq {} node {} on port {} ready in {:.1?} ({})",
+            if private { "private" } else { "shared" },
+            r.nodename,
+            r.amqp_port,
+            t0.elapsed(),
+            r.root.display()
+        );
+        r
+    }
+
+    fn spawn_server(&self) {
+        let out = std::fs::File::create(self.root.join("server.out")).expect("server.out");
+        let err = out.try_clone().unwrap();
+        let child = Command::new(self.bin.join("rabbitmq-server"))
+            .envs(self.env())
+            .current_dir(&self.root)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .expect("spawn rabbitmq-server");
+        std::fs::write(self.root.join("launcher.pid"), child.id().to_string()).unwrap();
+        *self.server.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+        let deadline = Instant::now() + super::scaled(Duration::from_secs(60));
+        while !port_open(self.amqp_port) {
+            let exited = self
+                .server
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if let Some(st) = exited {
+                panic!(
+                    "rabbitmq-server exited early ({st}):\n{}",
+                    tail(&self.root.join("server.out"), 40)
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "rabbitmq-server did not open port {}:\n{}",
+                    self.amqp_port,
+                    tail(&self.root.join("server.out"), 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Environment that selects this node (for rabbitmq-server, rabbitmqctl,
+    /// rabbitmq-diagnostics…).
+    pub fn env(&self) -> Vec<(String, String)> {
+        let r = |p: &str| self.root.join(p).display().to_string();
+        vec![
+            ("HOME".into(), r("home")),
+            ("RABBITMQ_NODENAME".into(), self.nodename.clone()),
+            ("RABBITMQ_NODE_IP_ADDRESS".into(), "127.0.0.1".into()),
+            ("RABBITMQ_NODE_PORT".into(), self.amqp_port.to_string()),
+            ("RABBITMQ_DIST_PORT".into(), self.dist_port.to_string()),
+            ("ERL_EPMD_PORT".into(), self.epmd_port.to_string()),
+            ("ERL_EPMD_ADDRESS".into(), "127.0.0.1".into()),
+            (
+                "RABBITMQ_CTL_DIST_PORT_MIN".into(),
+                self.ctl_port_min.to_string(),
+            ),
+            (
+                "RABBITMQ_CTL_DIST_PORT_MAX".into(),
+                (self.ctl_port_min + 10).to_string(),
+            ),
+            ("RABBITMQ_MNESIA_BASE".into(), r("mnesia")),
+            ("RABBITMQ_LOG_BASE".into(), r("log")),
+            ("RABBITMQ_ENABLED_PLUGINS_FILE".into(), r("enabled_plugins")),
+            ("RABBITMQ_CONFIG_FILE".into(), r("rabbitmq.conf")),
+            ("RABBITMQ_ADVANCED_CONFIG_FILE".into(), r("advanced.config")),
+            ("RABBITMQ_CONF_ENV_FILE".into(), r("rabbitmq-env.conf")),
+            ("RABBITMQ_PID_FILE".into(), r("pid")),
+            ("RABBITMQ_PLUGINS_EXPAND_DIR".into(), r("plugins-expand")),
+            (
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS".into(),
+                "-kernel inet_dist_use_interface {127,0,0,1}".into(),
+            ),
+        ]
+    }
+
+    /// AMQP port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.amqp_port
+    }
+
+    /// Erlang node name (`pgoutbox-test_<pid>_<n>@localhost`).
+    pub fn nodename(&self) -> &str {
+        &self.nodename
+    }
+
+    /// Node directory.
+    pub fn root_dir(&self) -> &Path {
+        &self.root
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f`.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)
+    }
+
+    /// Run `rabbitmqctl ARGS` against this node; returns the raw output.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(self.bin.join("rabbitmqctl"))
+            .envs(self.env())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("spawn rabbitmqctl")
+    }
+
+    /// Like [`RabbitMq::ctl`] but panics (with stderr) on failure; returns stdout.
+    pub fn ctl_ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        if !out.status.success() {
+            panic!(
+                "rabbitmqctl {args:?} failed ({}):\n{}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Raise a memory alarm: publishers get `connection.blocked` and
+    /// publishes stall (`set_vm_memory_high_watermark 0.000001`).
+    pub fn block(&self) {
+        self.ctl_ok(&["set_vm_memory_high_watermark", "0.000001"]);
+    }
+
+    /// Clear the memory alarm (`set_vm_memory_high_watermark 0.4`).
+    pub fn unblock(&self) {
+        self.ctl_ok(&["set_vm_memory_high_watermark", "0.4"]);
+    }
+
+    /// `rabbitmqctl stop_app`: the broker application stops (all AMQP
+    /// connections drop, port closes) but the Erlang node stays up.
+    pub fn stop_app(&self) {
+        self.ctl_ok(&["stop_app"]);
+    }
+
+    /// `rabbitmqctl start_app`, then waits until the AMQP port accepts again.
+    pub fn start_app(&self) {
+        self.ctl_ok(&["start_app"]);
+        let ok = super::wait_until_blocking(super::scaled(Duration::from_secs(30)), || {
+            port_open(self.amqp_port)
+        });
+        assert!(ok, "AMQP port {} did not reopen", self.amqp_port);
+    }
+
+    /// Force-close every client connection on this node.
+    pub fn close_all_connections(&self) {
+        self.ctl_ok(&["close_all_connections", "closed by pgoutbox test"]);
+    }
+
+    /// Names of current client connections' users (one line per connection).
+    pub fn list_connections(&self) -> Vec<String> {
+        self.ctl_ok(&["-q", "list_connections", "user", "name"])
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Server output (`server.out`) plus the broker log file.
+    pub fn log_contents(&self) -> String {
+        let mut s = std::fs::read_to_string(self.root.join("server.out")).unwrap_or_default();
+        if let Ok(rd) = std::fs::read_dir(self.root.join("log")) {
+            for e in rd.flatten() {
+                s.push_str(&format!("\n--- {} ---\n", e.path().display()));
+                s.push_str(&String::from_utf8_lossy(
+                    &std::fs::read(e.path()).unwrap_or_default(),
+                ));
+            }
+        }
+        s
+    }
+
+    fn write_cleanup_script(&self) {
+        let mut script = String::new();
+        for (k, v) in self.env() {
+            script.push_str(&format!("export {k}={}\n", sh_quote(&v)));
+        }
+        let root = sh_quote(&self.root.display().to_string());
+        let ctl = sh_quote(&self.bin.join("rabbitmqctl").display().to_string());
+        script.push_str(&format!(
+            r#"pid=$(cat {root}/pid 2>/dev/null || true)
+if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+  timeout 30 {ctl} -q stop {root}/pid >/dev/null 2>&1 || true
+  kill -9 "$pid" 2>/dev/null || true
+fi
+lpid=$(cat {root}/launcher.pid 2>/dev/null || true)
+if [ -n "$lpid" ]; then kill -9 -- "-$lpid" 2>/dev/null || true; fi
+for e in epmd /usr/lib/erlang/bin/epmd; do
+  if command -v "$e" >/dev/null 2>&1; then "$e" -port {epmd} -kill >/dev/null 2>&1; break; fi
+done
+true
+"#,
+            epmd = self.epmd_port,
+        ));
+        std::fs::write(self.root.join("cleanup.sh"), script).expect("write cleanup.sh");
+    }
+}
+
+impl Drop for RabbitMq {
+    fn drop(&mut self) {
+        if self.private {
+            cleanup_now(&self.root);
+            if let Some(mut c) = self.server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+fn find_bin_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("PGOUTBOX_RABBITMQ_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let d = PathBuf::from("/usr/lib/rabbitmq/bin");
+    if d.join("rabbitmq-server").exists() {
+        return d;
+    }
+    panic!("RabbitMQ not found: run `deploy/stack.sh install` or set PGOUTBOX_RABBITMQ_BIN_DIR");
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
