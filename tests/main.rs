@@ -2,4 +2,5 @@
 
 mod support;
 
+mod end_to_end;
 mod harness_smoke;

@@ -22,6 +22,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod amqp;
+pub mod fixture;
 pub mod postgres;
 pub mod rabbit;
 pub mod streamer;
@@ -40,6 +41,7 @@ use std::time::{Duration, Instant};
 pub use amqp::{
     amqp_connect, declare_bound_queue, drain_queue, publish, purge_queue, queue_len, Received,
 };
+pub use fixture::{lsn, Outbox};
 pub use postgres::Postgres;
 pub use rabbit::RabbitMq;
 pub use streamer::Streamer;

@@ -1,0 +1,339 @@
+//! The main job end to end: producers emit inside transactions, `pgoutbox run` publishes,
+//! the queue receives; the slot only moves over confirmed messages.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq};
+
+/// Emits `txns` transactions of `per_txn` messages with ids `m-<seq>`; every 10th message
+/// is binary (`emit_bytes`, NUL bytes inside). Records each message's expected body.
+fn emit_numbered(ob: &Outbox<'_>, first_seq: i64, txns: i64, per_txn: i64) {
+    for t in 0..txns {
+        let from = first_seq + t * per_txn;
+        let to = from + per_txn - 1;
+        ob.sql(&format!(
+            "BEGIN;
+             DO $$ BEGIN FOR n IN {from}..{to} LOOP
+               IF n % 10 = 0 THEN
+                 PERFORM outbox.emit_bytes('bin.' || n, '\\x00'::bytea || int4send(n::int) || '\\x00ff00'::bytea,
+                                          'application/x-test', jsonb_build_object('seq', n), 'm-' || n);
+               ELSE
+                 PERFORM outbox.emit('num.' || n, jsonb_build_object('seq', n, 'txt', 'é ü \"q\"'),
+                                     jsonb_build_object('seq', n), 'm-' || n);
+               END IF;
+             END LOOP; END $$;
+             COMMIT;"
+        ));
+    }
+}
+
+/// The exact body `emit_numbered` wrote for `seq`.
+fn expected_body(seq: i64) -> Vec<u8> {
+    if seq % 10 == 0 {
+        let mut b = vec![0u8];
+        b.extend_from_slice(&(seq as i32).to_be_bytes());
+        b.extend_from_slice(&[0x00, 0xff, 0x00]);
+        b
+    } else {
+        // jsonb's text form: keys ordered by length then bytes, ", " and ": " separators.
+        format!("{{\"seq\": {seq}, \"txt\": \"é ü \\\"q\\\"\"}}").into_bytes()
+    }
+}
+
+fn seq_of(id: &str) -> i64 {
+    id.strip_prefix("m-")
+        .and_then(|s| s.parse().ok())
+        .expect("m-<seq> id")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_10k").await;
+    let before = ob.confirmed_flush();
+    emit_numbered(&ob, 1, 100, 100);
+    let streamer = ob.run(&[]);
+    let got = ob.drain(10_000, scaled(Duration::from_secs(60))).await;
+    assert_eq!(got.len(), 10_000, "each message exactly once");
+    for (i, m) in got.iter().enumerate() {
+        let id = m.message_id.as_deref().expect("message_id");
+        let seq = seq_of(id);
+        assert_eq!(seq, i as i64 + 1, "commit order");
+        assert_eq!(m.body, expected_body(seq), "payload of {id} byte-exact");
+        assert_eq!(m.delivery_mode, Some(2), "persistent");
+        assert_eq!(m.exchange, ob.exchange);
+        assert_eq!(
+            m.headers.get("seq").map(String::as_str),
+            Some(seq.to_string().as_str())
+        );
+        if seq % 10 == 0 {
+            assert_eq!(m.routing_key, format!("bin.{seq}"));
+            assert_eq!(m.content_type.as_deref(), Some("application/x-test"));
+        } else {
+            assert_eq!(m.routing_key, format!("num.{seq}"));
+            assert_eq!(m.content_type.as_deref(), Some("application/json"));
+        }
+        let msg_lsn = lsn(&m.headers["x-pgoutbox-lsn"]);
+        let commit_lsn = lsn(&m.headers["x-pgoutbox-commit-lsn"]);
+        assert!(
+            msg_lsn <= commit_lsn,
+            "message LSN (end of its record) is at or before its commit"
+        );
+        let ts = m.timestamp.expect("timestamp (s)");
+        let us: u64 = m.headers["x-pgoutbox-commit-time-us"].parse().unwrap();
+        assert_eq!(
+            ts,
+            us / 1_000_000,
+            "timestamp is the commit time in seconds"
+        );
+    }
+    // The slot moved past everything once confirmed.
+    let last_commit = lsn(&got.last().unwrap().headers["x-pgoutbox-commit-lsn"]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(15)), || async {
+            ob.confirmed_flush() > last_commit
+        })
+        .await,
+        "confirmed_flush_lsn moved past the last commit (started at {before:X})"
+    );
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(
+        status.map(|s| s.success()),
+        Some(true),
+        "SIGTERM exits 0:\n{}",
+        streamer.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolled_back_transactions_and_savepoints_emit_nothing() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_rollback").await;
+    let streamer = ob.run(&[]);
+    ob.sql(
+        "BEGIN;
+         SELECT outbox.emit('t', '{\"n\": 1}', '{}', 'a1');
+         SAVEPOINT s1;
+         SELECT outbox.emit('t', '{\"n\": 2}', '{}', 'a2-rolled-back');
+         ROLLBACK TO SAVEPOINT s1;
+         SELECT outbox.emit('t', '{\"n\": 3}', '{}', 'a3');
+         COMMIT;",
+    );
+    ob.sql("BEGIN; SELECT outbox.emit('t', '{\"n\": 4}', '{}', 'b1-rolled-back'); ROLLBACK;");
+    ob.sql("SELECT outbox.emit('t', '{\"n\": 5}', '{}', 'c1');");
+    let got = ob.drain(3, scaled(Duration::from_secs(30))).await;
+    let ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
+    assert_eq!(ids, ["a1", "a3", "c1"]);
+    drop(streamer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_stream_redelivers_with_the_same_ids() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_kill").await;
+    let start = ob.confirmed_flush();
+    let total = 30_000i64;
+    emit_numbered(&ob, 1, 30, 1_000);
+    let first = ob.run(&["--max-in-flight", "2000"]);
+    // Kill while messages are in flight: some arrived, far from all.
+    let reached = support::wait_until(scaled(Duration::from_secs(60)), || async {
+        support::queue_len(&ob.amqp_url, &ob.queue).await >= 4_000
+    })
+    .await;
+    assert!(reached, "first run published:\n{}", first.log());
+    first.kill9();
+    first.wait_exit(Duration::from_secs(10)).await;
+    let at_crash = ob.confirmed_flush();
+    let in_queue_at_crash = support::queue_len(&ob.amqp_url, &ob.queue).await as i64;
+    assert!(in_queue_at_crash < total, "the kill came mid-stream");
+
+    let second = ob.run(&[]);
+    let got = ob
+        .drain(total as usize, scaled(Duration::from_secs(60)))
+        .await;
+    let mut by_id: HashMap<String, Vec<&support::Received>> = HashMap::new();
+    for m in &got {
+        by_id
+            .entry(m.message_id.clone().unwrap())
+            .or_default()
+            .push(m);
+    }
+    for seq in 1..=total {
+        let copies = by_id
+            .get(&format!("m-{seq}"))
+            .unwrap_or_else(|| panic!("m-{seq} missing"));
+        for c in copies {
+            assert_eq!(c.body, expected_body(seq), "duplicate of m-{seq} identical");
+            assert_eq!(
+                c.headers["x-pgoutbox-lsn"],
+                copies[0].headers["x-pgoutbox-lsn"]
+            );
+        }
+    }
+    assert_eq!(by_id.len(), total as usize, "no message invented");
+    let duplicates = got.len() as i64 - total;
+    assert!(
+        duplicates > 0,
+        "a kill with messages in flight must cause redelivery"
+    );
+    // First deliveries stay in commit order.
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<i64> = got
+        .iter()
+        .filter_map(|m| {
+            let id = m.message_id.clone().unwrap();
+            seen.insert(id.clone()).then(|| seq_of(&id))
+        })
+        .collect();
+    assert!(
+        firsts.windows(2).all(|w| w[0] < w[1]),
+        "first deliveries in order"
+    );
+    eprintln!(
+        "kill test: {in_queue_at_crash} in queue at the kill, {duplicates} duplicates, slot {start:X} -> {at_crash:X} at the kill"
+    );
+    assert!(at_crash > start, "the slot advanced before the kill");
+    drop(second);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_never_passes_a_message_the_broker_did_not_confirm() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "e2e_brokerstop").await;
+    let start = ob.confirmed_flush();
+    let streamer = ob.run(&["--max-in-flight", "500"]);
+    // A producer that keeps emitting (one message per transaction) until the broker is gone.
+    let pg_url = ob.url();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_producer = stop.clone();
+    let emitted = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let emitted_producer = emitted.clone();
+    let producer = tokio::spawn(async move {
+        let client = Postgres::client_url(&pg_url)
+            .await
+            .expect("producer connects");
+        let mut lsns = BTreeMap::new();
+        let mut seq = 0i64;
+        while !stop_producer.load(std::sync::atomic::Ordering::SeqCst) && seq < 200_000 {
+            seq += 1;
+            let row = client
+                .query_one(
+                    "SELECT (outbox.emit('p', jsonb_build_object('seq', $1::bigint), '{}', 'p-' || $1::bigint) - '0/0'::pg_lsn)::text",
+                    &[&seq],
+                )
+                .await
+                .expect("emit");
+            let l: String = row.get(0);
+            lsns.insert(seq, l.parse::<f64>().unwrap() as u64);
+            emitted_producer.store(seq, std::sync::atomic::Ordering::SeqCst);
+        }
+        lsns
+    });
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(60)), || async {
+            support::queue_len(&ob.amqp_url, &ob.queue).await >= 1_000
+        })
+        .await,
+        "messages flow before the broker stops:\n{}",
+        streamer.log()
+    );
+    rmq.stop_app();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(
+        status.map(|s| s.success()),
+        Some(false),
+        "losing the broker stops this version with an error:\n{}",
+        streamer.log()
+    );
+    // Keep producing a little after the streamer is gone, then stop.
+    let at_exit = emitted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            emitted.load(std::sync::atomic::Ordering::SeqCst) >= at_exit + 200
+        })
+        .await,
+        "the producer kept committing"
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let lsns = producer.await.unwrap();
+    let total = lsns.len();
+    let flushed = ob.confirmed_flush();
+    assert!(
+        flushed > start,
+        "the slot advanced before the broker stopped"
+    );
+    rmq.start_app();
+    let got = ob.drain(1, scaled(Duration::from_secs(10))).await;
+    let arrived: std::collections::HashSet<String> =
+        got.iter().filter_map(|m| m.message_id.clone()).collect();
+    // Every message at or below the acknowledged LSN is in the (durable) queue.
+    let covered: Vec<i64> = lsns
+        .iter()
+        .filter(|(_, l)| **l < flushed)
+        .map(|(s, _)| *s)
+        .collect();
+    assert!(!covered.is_empty());
+    for seq in &covered {
+        assert!(
+            arrived.contains(&format!("p-{seq}")),
+            "p-{seq} is below confirmed_flush_lsn but did not arrive"
+        );
+    }
+    assert!(covered.len() < total, "the broker stopped mid-stream");
+    // A restart delivers the rest.
+    let again = ob.run(&[]);
+    let rest = ob
+        .drain(total - arrived.len(), scaled(Duration::from_secs(60)))
+        .await;
+    let mut all = arrived;
+    all.extend(rest.iter().filter_map(|m| m.message_id.clone()));
+    for seq in 1..=total as i64 {
+        assert!(all.contains(&format!("p-{seq}")), "p-{seq} never arrived");
+    }
+    drop(again);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_outbox_in_a_busy_database_does_not_hold_wal() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_idle").await;
+    let streamer = ob.run(&[]);
+    ob.sql("SELECT outbox.emit('one', '{}', '{}', 'only-one')");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
+    // 64 MB of WAL in a table nobody publishes, no outbox traffic.
+    ob.sql("CREATE TABLE junk (x text)");
+    let wal_before = ob.sql("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn");
+    for _ in 0..4 {
+        ob.sql("INSERT INTO junk SELECT repeat(md5(random()::text), 32) FROM generate_series(1, 16000)");
+    }
+    let wal_after = ob.sql("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn");
+    let written =
+        wal_after.trim().parse::<f64>().unwrap() - wal_before.trim().parse::<f64>().unwrap();
+    assert!(
+        written >= 64.0 * 1024.0 * 1024.0,
+        "wrote {written} bytes of WAL"
+    );
+    let mut last = 0;
+    let ok = support::wait_until(scaled(Duration::from_secs(10)), || {
+        last = ob.lag_bytes();
+        let lag = last;
+        async move { lag < 16 * 1024 * 1024 }
+    })
+    .await;
+    let status = ob.cli(&["status", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status --json");
+    assert!(
+        ok,
+        "lag stayed at {last} bytes; status: {json}\n{}",
+        streamer.log()
+    );
+    assert!(
+        json["lag_bytes"].as_i64().unwrap() < 16 * 1024 * 1024,
+        "{json}"
+    );
+    assert_eq!(json["active"], true);
+    assert_eq!(json["slot"], ob.slot.as_str());
+}

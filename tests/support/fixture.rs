@@ -1,0 +1,141 @@
+//! A provisioned outbox per test: its own database, slot, publication, exchange and queue.
+
+use std::time::Duration;
+
+use super::{declare_bound_queue, drain_queue, unique, Postgres, Received, Streamer};
+
+/// One test's outbox on a given Postgres and RabbitMQ.
+pub struct Outbox<'a> {
+    /// The cluster.
+    pub pg: &'a Postgres,
+    /// The database (holds the slot).
+    pub db: String,
+    /// Slot name.
+    pub slot: String,
+    /// Publication name.
+    pub publication: String,
+    /// Exchange name.
+    pub exchange: String,
+    /// A durable queue bound with `#`.
+    pub queue: String,
+    /// Broker URL.
+    pub amqp_url: String,
+}
+
+impl<'a> Outbox<'a> {
+    /// Creates the database, runs `pgoutbox setup` through the binary, declares and binds
+    /// the queue.
+    pub async fn new(pg: &'a Postgres, amqp_url: &str, name: &str) -> Outbox<'a> {
+        let db = pg.create_database(name).await;
+        let slot = unique(&format!("{name}_slot"));
+        let publication = unique(&format!("{name}_pub"));
+        let exchange = unique(&format!("{name}_x"));
+        let queue = unique(&format!("{name}_q"));
+        let ob = Outbox {
+            pg,
+            db,
+            slot,
+            publication,
+            exchange,
+            queue,
+            amqp_url: amqp_url.to_owned(),
+        };
+        let out = ob.cli(&["setup", "--publication", &ob.publication]);
+        assert!(
+            out.status.success(),
+            "setup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        declare_bound_queue(amqp_url, &ob.exchange, &ob.queue, "#").await;
+        ob
+    }
+
+    /// The database URL (TCP, trust, superuser).
+    pub fn url(&self) -> String {
+        self.pg.url(&self.db)
+    }
+
+    /// Runs a `pgoutbox` subcommand with `--database-url` and `--slot` to completion.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        let mut full: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        full.extend([
+            "--database-url".into(),
+            self.url(),
+            "--slot".into(),
+            self.slot.clone(),
+        ]);
+        std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+            .args(&full)
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("run pgoutbox")
+    }
+
+    /// Starts `pgoutbox run` with this outbox's names plus `extra` arguments.
+    pub fn run(&self, extra: &[&str]) -> Streamer {
+        self.run_with_url(&self.url(), extra)
+    }
+
+    /// Like [`Outbox::run`] with another database URL (auth variants, Unix socket).
+    pub fn run_with_url(&self, url: &str, extra: &[&str]) -> Streamer {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--database-url".into(),
+            url.into(),
+            "--amqp-url".into(),
+            self.amqp_url.clone(),
+            "--slot".into(),
+            self.slot.clone(),
+            "--publication".into(),
+            self.publication.clone(),
+            "--exchange".into(),
+            self.exchange.clone(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=debug")])
+    }
+
+    /// Runs SQL as the superuser in this database.
+    pub fn sql(&self, sql: &str) -> String {
+        self.pg.psql(&self.db, sql)
+    }
+
+    /// The slot's confirmed_flush_lsn as a u64.
+    pub fn confirmed_flush(&self) -> u64 {
+        let text = self.sql(&format!(
+            "SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = '{}'",
+            self.slot
+        ));
+        text.trim().parse::<f64>().expect("confirmed_flush_lsn") as u64
+    }
+
+    /// `pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)` for the slot.
+    pub fn lag_bytes(&self) -> i64 {
+        let text = self.sql(&format!(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = '{}'",
+            self.slot
+        ));
+        text.trim().parse().expect("lag")
+    }
+
+    /// Whether a walsender holds the slot.
+    pub fn slot_active(&self) -> bool {
+        self.sql(&format!(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = '{}'",
+            self.slot
+        ))
+        .trim()
+            == "t"
+    }
+
+    /// Drains the queue until `expected` messages arrived or `idle` passed without one.
+    pub async fn drain(&self, expected: usize, idle: Duration) -> Vec<Received> {
+        drain_queue(&self.amqp_url, &self.queue, expected, idle).await
+    }
+}
+
+/// Parses an `X/Y` LSN into a u64.
+pub fn lsn(text: &str) -> u64 {
+    let (hi, lo) = text.trim().split_once('/').expect("X/Y");
+    (u64::from_str_radix(hi, 16).expect("hex") << 32) | u64::from_str_radix(lo, 16).expect("hex")
+}
