@@ -277,6 +277,16 @@ pub async fn pending_outbox_messages(
     slot: &str,
     publication: &str,
 ) -> Result<i64, Error> {
+    // Decoding only reads flushed WAL: with synchronous_commit = off a just-committed emit
+    // may not be flushed yet. A synchronous commit of a transaction that wrote WAL flushes
+    // everything before it (an empty message under another prefix, which `run` ignores).
+    client
+        .batch_execute(
+            "BEGIN; SET LOCAL synchronous_commit = on; \
+             SELECT pg_logical_emit_message(true, 'pgoutbox-teardown', ''); COMMIT;",
+        )
+        .await
+        .map_err(|e| Error::sql("flushing WAL before peeking at the slot", e))?;
     // A pgoutput Message: 'M', Int8 flags, Int64 LSN, then the NUL-terminated prefix at
     // byte offset 10 (1-based 11).
     let row = client

@@ -4,3 +4,4 @@ mod support;
 
 mod end_to_end;
 mod harness_smoke;
+mod operations;

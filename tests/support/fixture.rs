@@ -88,9 +88,10 @@ impl<'a> Outbox<'a> {
             self.slot.clone(),
             "--publication".into(),
             self.publication.clone(),
-            "--exchange".into(),
-            self.exchange.clone(),
         ];
+        if !extra.contains(&"--exchange") {
+            args.extend(["--exchange".into(), self.exchange.clone()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=debug")])
     }
