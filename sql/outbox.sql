@@ -192,3 +192,31 @@ $fn$;
 
 COMMENT ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) IS
     'pgoutbox: publishes payload (raw bytes, with the given content type) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
+
+-- Dead letters: messages pgoutbox gave up on (nacked past the retry bound, returned as
+-- unroutable under --on-unroutable dead-letter, undecodable, too large). pgoutbox writes the
+-- row (synchronously committed) before it acknowledges the message's LSN, so a dead letter is
+-- durable before the slot moves past it. `pgoutbox dead-letters requeue` re-emits the
+-- original envelope through pg_logical_emit_message, with its original message_id.
+-- The table is not in any publication, so writing it emits nothing.
+CREATE TABLE IF NOT EXISTS outbox.dead_letter (
+    id               bigserial PRIMARY KEY,
+    message_id       text,                 -- NULL when the envelope could not be decoded
+    topic            text,
+    lsn              pg_lsn NOT NULL,      -- the message's LSN (x-pgoutbox-lsn)
+    commit_lsn       pg_lsn,               -- its transaction's commit LSN (NULL outside one)
+    envelope         bytea NOT NULL,       -- the logical message content exactly as emitted
+    reason           text NOT NULL,        -- nacked | returned | poison | too_large
+    attempts         integer NOT NULL,
+    first_error      text,
+    last_error       text,
+    first_failed_at  timestamptz NOT NULL DEFAULT now(),
+    dead_lettered_at timestamptz NOT NULL DEFAULT now(),
+    requeued_at      timestamptz,
+    -- A crash between this insert and the acknowledgement replays the message: same LSN,
+    -- one row.
+    CONSTRAINT dead_letter_lsn_key UNIQUE (lsn)
+);
+
+COMMENT ON TABLE outbox.dead_letter IS
+    'pgoutbox: messages not delivered to RabbitMQ (see reason, last_error); requeue with pgoutbox dead-letters requeue.';

@@ -368,3 +368,210 @@ pub async fn teardown(
         publication_dropped,
     })
 }
+
+/// One row of `outbox.dead_letter`, as `dead-letters list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeadLetter {
+    /// Row id (for `requeue --id` and `purge --id`).
+    pub id: i64,
+    /// The message id, if the envelope could be decoded.
+    pub message_id: Option<String>,
+    /// The topic (routing key), if decoded.
+    pub topic: Option<String>,
+    /// The message's LSN, `X/Y`.
+    pub lsn: String,
+    /// `nacked`, `returned`, `poison` or `too_large`.
+    pub reason: String,
+    /// Publish attempts made.
+    pub attempts: i32,
+    /// The first error.
+    pub first_error: Option<String>,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// When it was dead-lettered (RFC 3339 text).
+    pub dead_lettered_at: String,
+    /// When it was requeued, if it was.
+    pub requeued_at: Option<String>,
+}
+
+/// A dead letter about to be written by the streamer.
+#[derive(Debug, Clone)]
+pub struct NewDeadLetter<'a> {
+    /// The message id, if decoded.
+    pub message_id: Option<&'a str>,
+    /// The topic, if decoded.
+    pub topic: Option<&'a str>,
+    /// The message's LSN.
+    pub lsn: Lsn,
+    /// Its transaction's commit LSN, if it was in one.
+    pub commit_lsn: Option<Lsn>,
+    /// The logical message content exactly as emitted.
+    pub envelope: &'a [u8],
+    /// `nacked`, `returned`, `poison` or `too_large`.
+    pub reason: &'a str,
+    /// Publish attempts made (0 when never published).
+    pub attempts: i32,
+    /// The first error.
+    pub first_error: Option<&'a str>,
+    /// The last error.
+    pub last_error: &'a str,
+}
+
+/// Connects a session for dead letters: `synchronous_commit = on`, so a dead letter is
+/// durable when the insert returns, before its LSN is acknowledged.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn connect_dead_letter_writer(config: &tokio_postgres::Config) -> Result<Client, Error> {
+    let client = connect(config).await?;
+    client
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .map_err(|e| Error::sql("preparing the dead-letter session", e))?;
+    Ok(client)
+}
+
+/// Writes one dead letter and returns once it is committed. A second write for the same
+/// LSN (a replay after a crash) is a no-op.
+///
+/// # Errors
+/// [`Error::Sql`] (for example when `outbox.dead_letter` is missing: run `pgoutbox setup`).
+pub async fn write_dead_letter(client: &Client, dl: &NewDeadLetter<'_>) -> Result<(), Error> {
+    let lsn = dl.lsn.to_string();
+    let commit_lsn = dl.commit_lsn.map(|l| l.to_string());
+    client
+        .execute(
+            "INSERT INTO outbox.dead_letter
+                (message_id, topic, lsn, commit_lsn, envelope, reason, attempts, first_error, last_error)
+             VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7, $8, $9)
+             ON CONFLICT (lsn) DO NOTHING",
+            &[
+                &dl.message_id,
+                &dl.topic,
+                &lsn,
+                &commit_lsn,
+                &dl.envelope,
+                &dl.reason,
+                &dl.attempts,
+                &dl.first_error,
+                &dl.last_error,
+            ],
+        )
+        .await
+        .map_err(|e| Error::sql("writing a dead letter to outbox.dead_letter (run `pgoutbox setup` if it is missing)", e))?;
+    Ok(())
+}
+
+/// Which dead letters a command applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Selection {
+    /// These row ids.
+    Ids(Vec<i64>),
+    /// Rows dead-lettered more than this many seconds ago.
+    OlderThanSecs(i64),
+    /// Every row.
+    All,
+}
+
+impl Selection {
+    fn clause(&self) -> (&'static str, Vec<i64>) {
+        match self {
+            Selection::Ids(ids) => ("id = ANY($1)", ids.clone()),
+            Selection::OlderThanSecs(s) => (
+                "dead_lettered_at < now() - make_interval(secs => ($1::bigint[])[1])",
+                vec![*s],
+            ),
+            Selection::All => ("$1::bigint[] IS NOT NULL", Vec::new()),
+        }
+    }
+}
+
+/// Lists dead letters, oldest first; requeued ones only with `include_requeued`.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn list_dead_letters(
+    client: &Client,
+    include_requeued: bool,
+    limit: i64,
+) -> Result<Vec<DeadLetter>, Error> {
+    let rows = client
+        .query(
+            "SELECT id, message_id, topic, lsn::text, reason, attempts, first_error, last_error,
+                    to_char(dead_lettered_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                    to_char(requeued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+             FROM outbox.dead_letter
+             WHERE $1 OR requeued_at IS NULL
+             ORDER BY id LIMIT $2",
+            &[&include_requeued, &limit],
+        )
+        .await
+        .map_err(|e| Error::sql("listing outbox.dead_letter", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| DeadLetter {
+            id: r.get(0),
+            message_id: r.get(1),
+            topic: r.get(2),
+            lsn: r.get(3),
+            reason: r.get(4),
+            attempts: r.get(5),
+            first_error: r.get(6),
+            last_error: r.get(7),
+            dead_lettered_at: r.get(8),
+            requeued_at: r.get(9),
+        })
+        .collect())
+}
+
+/// Re-emits the selected, not yet requeued dead letters through
+/// `pg_logical_emit_message(true, 'pgoutbox', envelope)` in one transaction, in id order,
+/// and marks them requeued. Returns how many were requeued.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn requeue_dead_letters(
+    client: &mut Client,
+    selection: &Selection,
+) -> Result<u64, Error> {
+    let (clause, arg) = selection.clause();
+    let tx = client
+        .transaction()
+        .await
+        .map_err(|e| Error::sql("starting the requeue transaction", e))?;
+    let n = tx
+        .execute(
+            &format!(
+                "WITH picked AS (
+                    SELECT id, envelope FROM outbox.dead_letter
+                    WHERE requeued_at IS NULL AND {clause}
+                    ORDER BY id FOR UPDATE),
+                 emitted AS (
+                    SELECT id, pg_logical_emit_message(true, 'pgoutbox', envelope) AS lsn FROM picked)
+                 UPDATE outbox.dead_letter d SET requeued_at = now()
+                 FROM emitted e WHERE d.id = e.id"
+            ),
+            &[&arg],
+        )
+        .await
+        .map_err(|e| Error::sql("requeueing dead letters", e))?;
+    tx.commit()
+        .await
+        .map_err(|e| Error::sql("committing the requeue", e))?;
+    Ok(n)
+}
+
+/// Deletes the selected dead letters. Returns how many were deleted.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn purge_dead_letters(client: &Client, selection: &Selection) -> Result<u64, Error> {
+    let (clause, arg) = selection.clause();
+    client
+        .execute(
+            &format!("DELETE FROM outbox.dead_letter WHERE {clause}"),
+            &[&arg],
+        )
+        .await
+        .map_err(|e| Error::sql("purging dead letters", e))
+}

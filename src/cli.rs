@@ -5,8 +5,9 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{
-    RunConfig, DEFAULT_EXCHANGE, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
-    DEFAULT_PUBLICATION, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    RunConfig, UnroutablePolicy, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION,
+    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
 };
 
 /// Whether `teardown` may drop a slot that still holds unsent outbox messages.
@@ -38,6 +39,105 @@ pub enum Command {
     Status(StatusArgs),
     /// Drop the slot and the publication.
     Teardown(TeardownArgs),
+    /// Inspect, requeue or purge messages in outbox.dead_letter.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+}
+
+/// `dead-letters` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List dead letters (not yet requeued, unless --all), oldest first.
+    List(DeadLetterListArgs),
+    /// Re-emit dead letters through the normal path, with their original message_id.
+    Requeue(DeadLetterSelectArgs),
+    /// Delete dead letters.
+    Purge(DeadLetterPurgeArgs),
+}
+
+/// The database for dead-letter commands.
+#[derive(Debug, Args)]
+pub struct DeadLetterDb {
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL")]
+    pub database_url: String,
+}
+
+/// `dead-letters list` arguments.
+#[derive(Debug, Args)]
+pub struct DeadLetterListArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Include requeued rows.
+    #[arg(long)]
+    pub all: bool,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 100)]
+    pub limit: i64,
+    /// Print JSON (one array).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `dead-letters requeue` arguments: `--id` (repeatable) or `--all`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["id", "all"])))]
+pub struct DeadLetterSelectArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Row id (repeatable).
+    #[arg(long)]
+    pub id: Vec<i64>,
+    /// Every row not yet requeued.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// `dead-letters purge` arguments: `--id`, `--older-than` or `--all`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["id", "older_than", "all"])))]
+pub struct DeadLetterPurgeArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Row id (repeatable).
+    #[arg(long)]
+    pub id: Vec<i64>,
+    /// Rows dead-lettered longer ago than this: a number with unit s, m, h or d (e.g. 7d).
+    #[arg(long, value_parser = parse_age_secs)]
+    pub older_than: Option<i64>,
+    /// Every row.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// Parses `30s`, `15m`, `12h`, `7d` into seconds.
+///
+/// # Errors
+/// A message naming the value and the accepted form.
+pub fn parse_age_secs(text: &str) -> Result<i64, String> {
+    let bad = || format!("invalid age {text:?}: write a number with unit s, m, h or d, e.g. 7d");
+    let (num, unit) = text.split_at(text.len().saturating_sub(1));
+    let n: i64 = num.parse().map_err(|_| bad())?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(mult).filter(|v| *v >= 0).ok_or_else(bad)
+}
+
+/// What `run` does with a message the broker returns as unroutable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnUnroutable {
+    /// Write it to outbox.dead_letter and go on.
+    DeadLetter,
+    /// Retry it forever (with backoff), holding everything after it, and log loudly.
+    Block,
 }
 
 /// Connection to Postgres and the slot's name.
@@ -84,7 +184,8 @@ pub struct RunArgs {
     /// In-flight window: payload bytes published and not yet confirmed.
     #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES)]
     pub max_in_flight_bytes: usize,
-    /// Seconds to keep retrying a slot held by another process.
+    /// Seconds to keep retrying a slot held by another process before exiting; 0 waits
+    /// forever as a standby.
     #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", default_value_t = DEFAULT_SLOT_BUSY_TIMEOUT.as_secs())]
     pub slot_busy_timeout_s: u64,
     /// Seconds a SIGINT/SIGTERM waits for outstanding confirms.
@@ -94,6 +195,18 @@ pub struct RunArgs {
     /// (default: hostname-pid).
     #[arg(long, env = "PGOUTBOX_INSTANCE_ID")]
     pub instance_id: Option<String>,
+    /// What to do with a message returned as unroutable (no queue bound for its key).
+    #[arg(long, env = "PGOUTBOX_ON_UNROUTABLE", value_enum, default_value_t = OnUnroutable::DeadLetter)]
+    pub on_unroutable: OnUnroutable,
+    /// Publish attempts for a nacked message before it is dead-lettered.
+    #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS)]
+    pub max_attempts: u32,
+    /// Fault injection for tests (e.g. abort-after-confirms=100); never use in production.
+    #[arg(long, env = "PGOUTBOX_FAILPOINT", hide = true)]
+    pub failpoint: Option<crate::config::Failpoint>,
+    /// Payloads larger than this many bytes are dead-lettered as too_large, never published.
+    #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
 }
 
 impl RunArgs {
@@ -113,7 +226,15 @@ impl RunArgs {
             exchange: self.exchange,
             max_in_flight: self.max_in_flight,
             max_in_flight_bytes: self.max_in_flight_bytes,
-            slot_busy_timeout: Duration::from_secs(self.slot_busy_timeout_s),
+            slot_busy_timeout: (self.slot_busy_timeout_s > 0)
+                .then(|| Duration::from_secs(self.slot_busy_timeout_s)),
+            on_unroutable: match self.on_unroutable {
+                OnUnroutable::DeadLetter => UnroutablePolicy::DeadLetter,
+                OnUnroutable::Block => UnroutablePolicy::Block,
+            },
+            max_attempts: self.max_attempts,
+            max_message_bytes: self.max_message_bytes,
+            failpoint: self.failpoint,
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             instance_id,
         }

@@ -22,9 +22,50 @@ pub const MAX_STATUS_INTERVAL: Duration = Duration::from_secs(10);
 /// Status updates after the watermark moved are coalesced to at most one per this interval:
 /// one update per message costs the walsender ~7 µs each (FACTS.md).
 pub const STATUS_COALESCE: Duration = Duration::from_millis(200);
-/// How long `run` keeps retrying a slot that another process holds (after a SIGKILL the old
-/// walsender can hold it until it notices the closed socket).
-pub const DEFAULT_SLOT_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long `run` keeps retrying a slot that another process holds before exiting; 0 means
+/// forever (a standby replica). After a SIGKILL the old walsender can hold the slot until it
+/// notices the closed socket, so a restart also waits here.
+pub const DEFAULT_SLOT_BUSY_TIMEOUT: Duration = Duration::from_secs(0);
+/// Publish attempts for a nacked message before it is dead-lettered.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// Payloads above this are dead-lettered as `too_large` (RabbitMQ's own limit is 128 MiB by
+/// default; 16 MiB keeps one message within the default byte window).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+/// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
+/// is hard to hit from outside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failpoint {
+    /// Abort as soon as this many messages were confirmed by the broker, before any standby
+    /// status update could report them.
+    AbortAfterConfirms(u64),
+}
+
+impl std::str::FromStr for Failpoint {
+    type Err = String;
+
+    /// Parses `abort-after-confirms=N`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once('=') {
+            Some(("abort-after-confirms", n)) => n
+                .parse()
+                .map(Failpoint::AbortAfterConfirms)
+                .map_err(|_| format!("invalid count in failpoint {s:?}")),
+            _ => Err(format!(
+                "unknown failpoint {s:?}; known: abort-after-confirms=N"
+            )),
+        }
+    }
+}
+
+/// What happens to a message the broker returns as unroutable (312 NO_ROUTE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnroutablePolicy {
+    /// Dead-letter it and go on.
+    DeadLetter,
+    /// Retry forever, holding the watermark, logging each attempt.
+    Block,
+}
 /// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The logical decoding message prefix of our envelopes.
@@ -127,8 +168,16 @@ pub struct RunConfig {
     pub max_in_flight: usize,
     /// In-flight window in payload bytes.
     pub max_in_flight_bytes: usize,
-    /// How long to keep retrying a slot held by another process.
-    pub slot_busy_timeout: Duration,
+    /// How long to keep retrying a slot held by another process (`None`: forever).
+    pub slot_busy_timeout: Option<Duration>,
+    /// What to do with returned (unroutable) messages.
+    pub on_unroutable: UnroutablePolicy,
+    /// Publish attempts for a nacked message before it is dead-lettered (at least 1).
+    pub max_attempts: u32,
+    /// Payloads larger than this (bytes) are dead-lettered as `too_large`.
+    pub max_message_bytes: usize,
+    /// A crash injected for fault tests (`None` in production).
+    pub failpoint: Option<Failpoint>,
     /// How long shutdown waits for outstanding confirms.
     pub shutdown_timeout: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
@@ -147,6 +196,9 @@ impl std::fmt::Debug for RunConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("slot_busy_timeout", &self.slot_busy_timeout)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("on_unroutable", &self.on_unroutable)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_message_bytes", &self.max_message_bytes)
             .field("instance_id", &self.instance_id)
             .finish()
     }
@@ -185,6 +237,13 @@ impl RunConfig {
         if self.max_in_flight == 0 {
             return Err(ValidationError {
                 setting: "--max-in-flight",
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            });
+        }
+        if self.max_attempts == 0 {
+            return Err(ValidationError {
+                setting: "--max-attempts",
                 value: "0".into(),
                 rule: "must be at least 1".into(),
             });

@@ -1,7 +1,6 @@
 //! The top-level error, and the one function that decides what is retryable.
 
 use crate::lsn::Lsn;
-use crate::publisher::PublishOutcome;
 
 /// Everything `setup`, `run`, `status` and `teardown` can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -48,17 +47,10 @@ pub enum Error {
         /// Seconds waited.
         waited_s: u64,
     },
-    /// A message was not delivered (nack, return, channel failure); nothing at or after
-    /// its LSN was acknowledged.
-    #[error("outbox message at LSN {lsn} was not delivered: {outcome}; nothing at or after this LSN was acknowledged (confirmed_flush_lsn stays at or below {flushed})")]
-    Delivery {
-        /// The logical message's LSN.
-        lsn: Lsn,
-        /// What the broker did.
-        outcome: PublishOutcome,
-        /// The watermark at the time.
-        flushed: Lsn,
-    },
+    /// The broker connection or channel failed with publishes outstanding: their outcome is
+    /// unknown, so the session restarts from the last settled LSN.
+    #[error("lost the RabbitMQ connection or channel: {0}")]
+    BrokerLost(String),
     /// The WAL stream was not in the order pgoutput promises.
     #[error("unexpected replication stream: {0}")]
     Stream(String),
@@ -85,18 +77,33 @@ impl Error {
     /// proven definite (bad settings, missing objects, lost slots are definite).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Config(_) | Error::Precondition(_) | Error::SlotLost { .. } => false,
-            Error::Replication(e) => !matches!(
-                e,
-                crate::replication::Error::TlsUnsupported { .. }
-                    | crate::replication::Error::PasswordMissing { .. }
-                    | crate::replication::Error::UnsupportedAuth { .. }
-                    | crate::replication::Error::Settings(_)
-            ),
+            Error::Config(_)
+            | Error::Precondition(_)
+            | Error::SlotLost { .. }
+            | Error::SlotBusy { .. }
+            | Error::ShutdownTimeout { .. } => false,
+            Error::Replication(e) => {
+                !matches!(
+                    e,
+                    crate::replication::Error::TlsUnsupported { .. }
+                        | crate::replication::Error::PasswordMissing { .. }
+                        | crate::replication::Error::UnsupportedAuth { .. }
+                        | crate::replication::Error::Settings(_)
+                ) && !e.code().is_some_and(is_definite_sqlstate)
+            }
+            Error::Sql { source, .. } => !source
+                .code()
+                .is_some_and(|c| is_definite_sqlstate(c.code())),
             Error::Publisher(crate::publisher::Error::Url(_)) => false,
             _ => true,
         }
     }
+}
+
+/// SQLSTATEs that retrying cannot fix: authentication (class 28), a missing database
+/// (`3D000`), missing privileges (`42501`).
+fn is_definite_sqlstate(code: &str) -> bool {
+    code.starts_with("28") || code == "3D000" || code == "42501"
 }
 
 /// Renders an error with its chain of causes, one per line, for the operator.

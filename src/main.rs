@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use pgoutbox::cli::{Cli, Command, Force};
+use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force};
 use pgoutbox::config::{parse_database_url, validate_identifier};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
@@ -122,6 +122,7 @@ async fn try_main(cli: Cli) -> Result<(), Error> {
             );
             Ok(())
         }
+        Command::DeadLetters(cmd) => dead_letters(cmd).await,
         Command::Run(args) => {
             let config = args.into_config();
             let (tx, rx) = tokio::sync::watch::channel(false);
@@ -146,6 +147,60 @@ async fn wait_for_signal() {
         }
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
+    match cmd {
+        DeadLetterCommand::List(args) => {
+            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let rows = admin::list_dead_letters(&client, args.all, args.limit).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&rows).unwrap_or_default());
+            } else if rows.is_empty() {
+                println!("no dead letters");
+            } else {
+                for r in rows {
+                    println!(
+                        "{:>6}  {}  lsn={}  id={}  topic={}  reason={}  attempts={}  last_error={}{}",
+                        r.id,
+                        r.dead_lettered_at,
+                        r.lsn,
+                        r.message_id.as_deref().unwrap_or("-"),
+                        r.topic.as_deref().unwrap_or("-"),
+                        r.reason,
+                        r.attempts,
+                        r.last_error.as_deref().unwrap_or("-"),
+                        r.requeued_at
+                            .map(|t| format!("  requeued_at={t}"))
+                            .unwrap_or_default(),
+                    );
+                }
+            }
+            Ok(())
+        }
+        DeadLetterCommand::Requeue(args) => {
+            let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let selection = if args.all {
+                admin::Selection::All
+            } else {
+                admin::Selection::Ids(args.id)
+            };
+            let n = admin::requeue_dead_letters(&mut client, &selection).await?;
+            println!("requeued {n} dead letters");
+            Ok(())
+        }
+        DeadLetterCommand::Purge(args) => {
+            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let selection = match (args.all, args.older_than) {
+                (true, _) => admin::Selection::All,
+                (false, Some(secs)) => admin::Selection::OlderThanSecs(secs),
+                (false, None) => admin::Selection::Ids(args.id),
+            };
+            let n = admin::purge_dead_letters(&client, &selection).await?;
+            println!("purged {n} dead letters");
+            Ok(())
         }
     }
 }

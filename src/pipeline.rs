@@ -19,6 +19,8 @@
 //! Sources: PostgreSQL docs, "Streaming Replication Protocol" and "Logical Streaming
 //! Replication Protocol".
 
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -29,7 +31,8 @@ use tokio::time::Instant;
 
 use crate::admin;
 use crate::config::{
-    parse_database_url, RunConfig, MAX_STATUS_INTERVAL, MESSAGE_PREFIX, STATUS_COALESCE,
+    parse_database_url, Failpoint, RunConfig, UnroutablePolicy, MAX_STATUS_INTERVAL,
+    MESSAGE_PREFIX, STATUS_COALESCE,
 };
 use crate::envelope;
 use crate::error::Error;
@@ -66,14 +69,10 @@ pub struct RunSummary {
     pub confirmed: u64,
     /// The last flush LSN reported to Postgres.
     pub flushed: Lsn,
-}
-
-/// Carried with each publish and handed back with its outcome.
-#[derive(Debug, Clone, Copy)]
-struct Ticket {
-    txn: TxnSeq,
-    bytes: usize,
-    lsn: Lsn,
+    /// Messages written to `outbox.dead_letter`.
+    pub dead_lettered: u64,
+    /// Sessions restarted after a retryable failure.
+    pub reconnects: u64,
 }
 
 /// Parses a PostgreSQL duration setting as `SHOW` prints it (`60s`, `1min`, `500ms`, `0`).
@@ -104,35 +103,107 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
     }
 }
 
-/// Connects everything and streams until `shutdown` turns true (then drains) or an error.
+/// Healthy-session length after which the reconnect backoff starts again from its minimum.
+const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+/// How long a session whose Postgres connection broke keeps collecting broker confirms, so
+/// messages already confirmed are not sent again after the reconnect.
+const PG_LOSS_DRAIN: Duration = Duration::from_secs(5);
+/// Retry delay bounds for a nacked message (doubling from the minimum).
+const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
+const NACK_RETRY_MAX: Duration = Duration::from_secs(5);
+/// Retry delay bound for a returned message under `--on-unroutable block`.
+const BLOCK_RETRY_MAX: Duration = Duration::from_secs(30);
+
+fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(30))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Streams until `shutdown` turns true (then drains) or a definite error, reconnecting with
+/// capped exponential backoff and jitter after every retryable failure (broker or Postgres
+/// connection lost, channel closed, server restart).
+///
+/// Each session starts from the slot (and from the last LSN this process knows to be
+/// settled, when that is further), so a reconnect re-sends at most what was not confirmed.
 ///
 /// # Errors
-/// Configuration and precondition errors (definite), connection errors, a delivery failure
-/// (nack, return, channel loss: [`Error::Delivery`]) and [`Error::ShutdownTimeout`]. On
-/// every error path nothing past the last confirmed transaction has been acknowledged.
-pub async fn run(config: RunConfig, shutdown: watch::Receiver<bool>) -> Result<RunSummary, Error> {
+/// Definite errors only: configuration and precondition errors, a lost slot,
+/// [`Error::SlotBusy`] when `slot_busy_timeout` is set, [`Error::ShutdownTimeout`]. On every
+/// path nothing past the last settled transaction has been acknowledged.
+pub async fn run(
+    config: RunConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<RunSummary, Error> {
     config.validate()?;
     let pg = parse_database_url(&config.database_url)?;
-    let sql = admin::connect(&pg).await?;
-    admin::preflight(&sql, &config.slot, &config.publication).await?;
+    let mut resume: Option<Lsn> = None;
+    let mut summary = RunSummary::default();
+    let mut backoff = reconnect_backoff();
+    loop {
+        let began = Instant::now();
+        let result = run_session(&config, &pg, shutdown.clone(), &mut resume, &mut summary).await;
+        match result {
+            Ok(()) => return Ok(summary),
+            Err(e) if !e.is_retryable() => return Err(e),
+            Err(e) => {
+                if *shutdown.borrow() {
+                    tracing::warn!(error = %e, "session failed during shutdown");
+                    return Ok(summary);
+                }
+                if began.elapsed() > HEALTHY_SESSION {
+                    backoff = reconnect_backoff();
+                }
+                let delay = backoff.next().unwrap_or(Duration::from_secs(30));
+                summary.reconnects += 1;
+                tracing::warn!(
+                    error = %crate::error::render_report(&e),
+                    retry_in_ms = delay.as_millis() as u64,
+                    resume_lsn = %resume.unwrap_or_default(),
+                    "session failed; reconnecting"
+                );
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.changed() => return Ok(summary),
+                }
+            }
+        }
+    }
+}
 
-    let mut publisher = Publisher::<Ticket>::connect(&PublisherConfig {
+/// One session: connect Postgres (SQL and replication) and the broker, stream, and return
+/// on shutdown (`Ok`) or the first failure. `resume` carries the settled LSN across sessions.
+async fn run_session(
+    config: &RunConfig,
+    pg: &tokio_postgres::Config,
+    shutdown: watch::Receiver<bool>,
+    resume: &mut Option<Lsn>,
+    summary: &mut RunSummary,
+) -> Result<(), Error> {
+    let sql = admin::connect_dead_letter_writer(pg).await?;
+    admin::preflight(&sql, &config.slot, &config.publication).await?;
+    let mut publisher = Publisher::<u64>::connect(&PublisherConfig {
         amqp_url: config.amqp_url.clone(),
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
     })
     .await?;
-
     let application_name = format!("pgoutbox-{}", config.instance_id);
-    let (stream, interval) = start_stream(&config, &pg, &sql, &application_name).await?;
+    let hint = resume.unwrap_or(Lsn::ZERO);
+    let (stream, interval) = start_stream(config, pg, &sql, &application_name, hint).await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
-    let start = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
-    drop(sql);
+    let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
+    let start = slot_lsn.max(hint);
     tracing::info!(
         slot = %config.slot,
         publication = %config.publication,
         exchange = %config.exchange,
         start_lsn = %start,
+        slot_confirmed_flush_lsn = %slot_lsn,
         status_interval_ms = interval.as_millis() as u64,
         max_in_flight = config.max_in_flight,
         max_in_flight_bytes = config.max_in_flight_bytes,
@@ -140,6 +211,8 @@ pub async fn run(config: RunConfig, shutdown: watch::Receiver<bool>) -> Result<R
     );
     let mut core = Core {
         stream,
+        sql,
+        config: config.clone(),
         wm: AckWatermark::new(start),
         received: start,
         last_sent_flush: Lsn::ZERO,
@@ -148,43 +221,46 @@ pub async fn run(config: RunConfig, shutdown: watch::Receiver<bool>) -> Result<R
         interval,
         bytes_in_flight: 0,
         current_txn: None,
-        summary: RunSummary::default(),
-        max_in_flight: config.max_in_flight as u64,
-        max_in_flight_bytes: config.max_in_flight_bytes,
+        inflight: HashMap::new(),
+        next_seq: 0,
+        retries: BinaryHeap::new(),
+        summary: std::mem::take(summary),
     };
-    let result = core
-        .run_loop(&mut publisher, shutdown, config.shutdown_timeout)
-        .await;
+    let result = core.run_loop(&mut publisher, shutdown).await;
+    *resume = Some(core.wm.flushed());
     core.summary.flushed = core.last_sent_flush;
+    *summary = std::mem::take(&mut core.summary);
     publisher.close().await;
     core.stream.close().await;
-    match &result {
-        Ok(()) => tracing::info!(
-            published = core.summary.published,
-            confirmed = core.summary.confirmed,
-            flushed_lsn = %core.last_sent_flush,
+    if result.is_ok() {
+        tracing::info!(
+            published = summary.published,
+            confirmed = summary.confirmed,
+            dead_lettered = summary.dead_lettered,
+            reconnects = summary.reconnects,
+            flushed_lsn = %summary.flushed,
             "stopped"
-        ),
-        Err(e) => {
-            tracing::error!(error = %e, flushed_lsn = %core.last_sent_flush, "stopping on error")
-        }
+        );
     }
-    result.map(|()| core.summary)
+    result
 }
 
-/// Opens the replication connection and starts streaming, retrying "slot is active" with
-/// backoff for `slot_busy_timeout`.
+/// Opens the replication connection and starts streaming at `start` (the server starts at
+/// the slot's confirmed_flush_lsn when that is further). While another process holds the
+/// slot it waits with backoff, logging the holder, for `slot_busy_timeout` (forever when
+/// `None`: a standby).
 async fn start_stream(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
     sql: &tokio_postgres::Client,
     application_name: &str,
+    start: Lsn,
 ) -> Result<(ReplicationStream, Duration), Error> {
     use backon::BackoffBuilder;
     let began = Instant::now();
     let mut delays = backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(250))
-        .with_max_delay(Duration::from_secs(5))
+        .with_max_delay(Duration::from_secs(10))
         .with_jitter()
         .without_max_times()
         .build();
@@ -203,7 +279,7 @@ async fn start_stream(
             .and_then(parse_pg_duration);
         tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
         match conn
-            .start_logical_replication(&config.slot, Lsn::ZERO, &options)
+            .start_logical_replication(&config.slot, start, &options)
             .await
         {
             Ok(stream) => return Ok((stream, status_interval(timeout))),
@@ -218,15 +294,17 @@ async fn start_stream(
                     .and_then(|s| s.holder)
                     .unwrap_or_else(|| "unknown".into());
                 let waited = began.elapsed();
-                if waited >= config.slot_busy_timeout {
-                    return Err(Error::SlotBusy {
-                        slot: config.slot.clone(),
-                        holder_pid,
-                        holder_name,
-                        waited_s: waited.as_secs(),
-                    });
+                if let Some(limit) = config.slot_busy_timeout {
+                    if waited >= limit {
+                        return Err(Error::SlotBusy {
+                            slot: config.slot.clone(),
+                            holder_pid,
+                            holder_name,
+                            waited_s: waited.as_secs(),
+                        });
+                    }
                 }
-                let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                let delay = delays.next().unwrap_or(Duration::from_secs(10));
                 tracing::warn!(
                     slot = %config.slot,
                     holder_pid = %holder_pid,
@@ -241,8 +319,33 @@ async fn start_stream(
     }
 }
 
+/// A message sent to the broker and not yet settled (confirmed as routed or dead-lettered).
+#[derive(Debug)]
+struct InFlight {
+    txn: TxnSeq,
+    lsn: Lsn,
+    commit_lsn: Lsn,
+    commit_time_us: i64,
+    /// The logical message content (the envelope), kept to rebuild a retry.
+    content: Bytes,
+    bytes: usize,
+    attempts: u32,
+    first_error: Option<String>,
+}
+
+/// Why the loop is draining.
+enum Drain {
+    /// SIGINT/SIGTERM: drain, send the final status update, return `Ok`.
+    Shutdown(Instant),
+    /// The Postgres connection broke: collect confirms for a while, then return the error.
+    PostgresLost(Instant, Error),
+}
+
 struct Core {
     stream: ReplicationStream,
+    /// Ordinary SQL session with `synchronous_commit = on`, for dead letters.
+    sql: tokio_postgres::Client,
+    config: RunConfig,
     wm: AckWatermark,
     /// Highest WAL position seen (commit ends and keepalive ends): the "write" position.
     received: Lsn,
@@ -253,15 +356,17 @@ struct Core {
     bytes_in_flight: usize,
     /// Begin of the open transaction: (commit record LSN, commit time µs since Unix epoch).
     current_txn: Option<(Lsn, i64)>,
+    inflight: HashMap<u64, InFlight>,
+    next_seq: u64,
+    /// Messages waiting to be published again: (due, seq), earliest first.
+    retries: BinaryHeap<Reverse<(Instant, u64)>>,
     summary: RunSummary,
-    max_in_flight: u64,
-    max_in_flight_bytes: usize,
 }
 
 impl Core {
     fn has_room(&self) -> bool {
-        self.wm.unconfirmed() < self.max_in_flight
-            && self.bytes_in_flight < self.max_in_flight_bytes
+        self.wm.unconfirmed() < self.config.max_in_flight as u64
+            && self.bytes_in_flight < self.config.max_in_flight_bytes
     }
 
     /// The main loop: one `select!` with written priorities.
@@ -269,38 +374,35 @@ impl Core {
     /// Priorities (highest first):
     /// 1. shutdown signal (stop reading, start the bounded drain);
     /// 2. the drain deadline;
-    /// 3. the status update deadline (never starved by confirms or WAL);
+    /// 3. the status update deadline, which also checks the broker connection (never starved
+    ///    by confirms or WAL);
     /// 4. broker confirm outcomes (a batch per turn);
-    /// 5. new WAL from the socket, only while the window has room;
-    /// 6. frames already buffered (when a turn's frame batch ran out).
+    /// 5. retries that are due;
+    /// 6. new WAL from the socket, only while the window has room;
+    /// 7. frames already buffered (when a turn's frame batch ran out).
     async fn run_loop(
         &mut self,
-        publisher: &mut Publisher<Ticket>,
+        publisher: &mut Publisher<u64>,
         mut shutdown: watch::Receiver<bool>,
-        shutdown_timeout: Duration,
     ) -> Result<(), Error> {
-        let mut draining = *shutdown.borrow();
-        let mut drain_deadline = Instant::now() + shutdown_timeout;
+        let mut drain: Option<Drain> = None;
+        if *shutdown.borrow() {
+            drain = Some(Drain::Shutdown(
+                Instant::now() + self.config.shutdown_timeout,
+            ));
+        }
         let mut buffered = true;
         self.send_status(StatusUpdateKind::Periodic).await?;
         loop {
-            if !draining {
-                let mut handled = 0;
-                while handled < FRAME_BATCH && self.has_room() {
-                    match self.stream.next_buffered()? {
-                        Some(msg) => {
-                            self.handle(msg, publisher).await?;
-                            handled += 1;
-                        }
-                        None => {
-                            buffered = false;
-                            break;
-                        }
-                    }
+            if drain.is_none() {
+                if let Err(e) = self.handle_buffered(publisher, &mut buffered).await {
+                    drain = self.on_error(e)?;
                 }
-            } else if self.wm.unconfirmed() == 0 {
-                self.send_status(StatusUpdateKind::ShutdownFlush).await?;
-                return Ok(());
+            }
+            if drain.is_some() && self.wm.unconfirmed() == 0 {
+                if let Some(d) = drain.take() {
+                    return self.finish(d).await;
+                }
             }
             let status_deadline = if self.wm.flushed() > self.last_sent_flush {
                 self.next_periodic
@@ -308,65 +410,289 @@ impl Core {
             } else {
                 self.next_periodic
             };
+            let drain_deadline = match &drain {
+                Some(Drain::Shutdown(t)) | Some(Drain::PostgresLost(t, _)) => Some(*t),
+                None => None,
+            };
+            let streaming = drain.is_none();
+            let pg_alive = !matches!(drain, Some(Drain::PostgresLost(..)));
             let room = self.has_room();
+            let next_retry = self.retries.peek().map(|Reverse((due, _))| *due);
             tokio::select! {
                 biased;
                 // PRIORITY 1: shutdown. Cancel safety: watch::Receiver::changed is cancel safe.
-                changed = shutdown.changed(), if !draining => {
+                changed = shutdown.changed(), if streaming => {
                     if changed.is_err() || *shutdown.borrow() {
                         tracing::info!(unconfirmed = self.wm.unconfirmed(), "shutdown requested; draining confirms");
-                        draining = true;
-                        drain_deadline = Instant::now() + shutdown_timeout;
+                        drain = Some(Drain::Shutdown(Instant::now() + self.config.shutdown_timeout));
                     }
                 }
                 // PRIORITY 2: drain deadline. Cancel safety: sleep_until is cancel safe.
-                _ = tokio::time::sleep_until(drain_deadline), if draining => {
-                    self.send_status(StatusUpdateKind::ShutdownFlush).await?;
-                    return Err(Error::ShutdownTimeout { unconfirmed: self.wm.unconfirmed(), flushed: self.wm.flushed() });
+                _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
+                    return match drain.take() {
+                        Some(Drain::PostgresLost(_, e)) => Err(e),
+                        _ => {
+                            self.send_status(StatusUpdateKind::ShutdownFlush).await?;
+                            Err(Error::ShutdownTimeout { unconfirmed: self.wm.unconfirmed(), flushed: self.wm.flushed() })
+                        }
+                    };
                 }
                 // PRIORITY 3: standby status update deadline. Cancel safety: sleep_until.
-                _ = tokio::time::sleep_until(status_deadline) => {
-                    self.send_status(StatusUpdateKind::Periodic).await?;
+                _ = tokio::time::sleep_until(status_deadline), if pg_alive => {
+                    if !publisher.is_connected() {
+                        let _ = self.send_status(StatusUpdateKind::Periodic).await;
+                        return Err(Error::BrokerLost("the RabbitMQ connection is closed".into()));
+                    }
+                    if let Err(e) = self.send_status(StatusUpdateKind::Periodic).await {
+                        drain = self.on_error(e)?;
+                    }
                 }
                 // PRIORITY 4: broker confirms. Cancel safety: mpsc recv is cancel safe.
                 batch = publisher.recv_outcomes() => {
                     let batch = batch.ok_or(crate::publisher::Error::Closed)?;
-                    self.apply_outcomes(batch).await?;
+                    self.apply_outcomes(batch, publisher).await?;
                 }
-                // PRIORITY 5: new WAL, guarded by the window. Cancel safety: read_buf.
-                read = self.stream.fill(), if !draining && room && !buffered => {
-                    read?;
-                    buffered = true;
+                // PRIORITY 5: retries due. Cancel safety: sleep_until.
+                _ = tokio::time::sleep_until(next_retry.unwrap_or_else(Instant::now)), if next_retry.is_some() => {
+                    self.publish_due_retries(publisher)?;
                 }
-                // PRIORITY 6: frames left in the buffer from a full batch.
-                _ = std::future::ready(()), if !draining && room && buffered => {}
+                // PRIORITY 6: new WAL, guarded by the window. Cancel safety: read_buf.
+                read = self.stream.fill(), if streaming && room && !buffered => {
+                    match read {
+                        Ok(_) => buffered = true,
+                        Err(e) => drain = self.on_error(e.into())?,
+                    }
+                }
+                // PRIORITY 7: frames left in the buffer from a full batch.
+                _ = std::future::ready(()), if streaming && room && buffered => {}
             }
         }
     }
 
-    async fn apply_outcomes(&mut self, batch: Vec<(Ticket, PublishOutcome)>) -> Result<(), Error> {
-        for (ticket, outcome) in batch {
-            self.bytes_in_flight = self.bytes_in_flight.saturating_sub(ticket.bytes);
-            if outcome.is_routed() {
-                self.wm
-                    .confirm(ticket.txn)
-                    .map_err(|e| Error::Stream(e.to_string()))?;
-                self.summary.confirmed += 1;
-            } else {
-                self.wm
-                    .fail(ticket.txn)
-                    .map_err(|e| Error::Stream(e.to_string()))?;
-                // Report what is safely confirmed, then stop: retries and dead letters are
-                // not built yet, and nothing at or after this message may be acknowledged.
-                let flushed = self.wm.flushed();
-                let _ = self.send_status(StatusUpdateKind::Periodic).await;
-                return Err(Error::Delivery {
-                    lsn: ticket.lsn,
-                    outcome,
-                    flushed,
-                });
+    /// A replication-side failure: keep collecting confirms for a while (when any are
+    /// outstanding) so a reconnect does not re-send what the broker already has.
+    fn on_error(&mut self, e: Error) -> Result<Option<Drain>, Error> {
+        match e {
+            Error::Replication(_) if self.wm.unconfirmed() > 0 => {
+                tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
+                Ok(Some(Drain::PostgresLost(Instant::now() + PG_LOSS_DRAIN, e)))
+            }
+            e => Err(e),
+        }
+    }
+
+    async fn finish(&mut self, drain: Drain) -> Result<(), Error> {
+        match drain {
+            Drain::Shutdown(_) => self.send_status(StatusUpdateKind::ShutdownFlush).await,
+            Drain::PostgresLost(_, e) => Err(e),
+        }
+    }
+
+    async fn handle_buffered(
+        &mut self,
+        publisher: &mut Publisher<u64>,
+        buffered: &mut bool,
+    ) -> Result<(), Error> {
+        let mut handled = 0;
+        while handled < FRAME_BATCH && self.has_room() {
+            match self.stream.next_buffered()? {
+                Some(msg) => {
+                    self.handle(msg, publisher).await?;
+                    handled += 1;
+                }
+                None => {
+                    *buffered = false;
+                    break;
+                }
             }
         }
+        Ok(())
+    }
+
+    fn publish(&mut self, seq: u64, publisher: &mut Publisher<u64>) -> Result<(), Error> {
+        let Some(m) = self.inflight.get_mut(&seq) else {
+            return Ok(());
+        };
+        m.attempts += 1;
+        let (routing_key, body, properties) =
+            build_message(m.lsn, m.commit_lsn, m.commit_time_us, m.content.clone())
+                .map_err(Error::Stream)?;
+        publisher.publish(OutboundMessage {
+            tag: seq,
+            routing_key,
+            body,
+            properties,
+            match_key: m.lsn.to_string(),
+        })?;
+        self.summary.published += 1;
+        Ok(())
+    }
+
+    fn publish_due_retries(&mut self, publisher: &mut Publisher<u64>) -> Result<(), Error> {
+        let now = Instant::now();
+        while let Some(Reverse((due, seq))) = self.retries.peek().copied() {
+            if due > now {
+                break;
+            }
+            self.retries.pop();
+            self.publish(seq, publisher)?;
+        }
+        Ok(())
+    }
+
+    async fn apply_outcomes(
+        &mut self,
+        batch: Vec<(u64, PublishOutcome)>,
+        publisher: &mut Publisher<u64>,
+    ) -> Result<(), Error> {
+        for (seq, outcome) in batch {
+            let Some(m) = self.inflight.get_mut(&seq) else {
+                continue;
+            };
+            match outcome {
+                PublishOutcome::Routed => {
+                    let m = self
+                        .inflight
+                        .remove(&seq)
+                        .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
+                    self.settle(&m)?;
+                    self.summary.confirmed += 1;
+                    if let Some(Failpoint::AbortAfterConfirms(n)) = self.config.failpoint {
+                        if self.summary.confirmed >= n {
+                            tracing::error!(lsn = %m.lsn, confirmed = n, "failpoint abort-after-confirms: aborting");
+                            std::process::abort();
+                        }
+                    }
+                }
+                PublishOutcome::Failed { error } => {
+                    // The channel or connection failed: the outcome of every in-flight
+                    // publish is unknown. Record what is settled and reconnect.
+                    let _ = self.send_status(StatusUpdateKind::Periodic).await;
+                    return Err(Error::BrokerLost(error));
+                }
+                PublishOutcome::Nacked => {
+                    let error = format!("nacked by the broker (attempt {})", m.attempts);
+                    m.first_error.get_or_insert_with(|| error.clone());
+                    if m.attempts >= self.config.max_attempts {
+                        self.dead_letter_inflight(seq, "nacked", &error).await?;
+                    } else {
+                        let delay = (NACK_RETRY_MIN
+                            * 2u32.saturating_pow(m.attempts.saturating_sub(1)))
+                        .min(NACK_RETRY_MAX);
+                        tracing::warn!(lsn = %m.lsn, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
+                        self.retries.push(Reverse((Instant::now() + delay, seq)));
+                    }
+                }
+                PublishOutcome::Returned {
+                    reply_code,
+                    reply_text,
+                } => {
+                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for this routing key", self.config.exchange);
+                    m.first_error.get_or_insert_with(|| error.clone());
+                    match self.config.on_unroutable {
+                        UnroutablePolicy::DeadLetter => {
+                            self.dead_letter_inflight(seq, "returned", &error).await?;
+                        }
+                        UnroutablePolicy::Block => {
+                            let delay = (NACK_RETRY_MIN * 2u32.saturating_pow(m.attempts.min(16)))
+                                .min(BLOCK_RETRY_MAX);
+                            tracing::error!(
+                                lsn = %m.lsn,
+                                attempt = m.attempts,
+                                retry_in_ms = delay.as_millis() as u64,
+                                error = %error,
+                                "unroutable message blocks the outbox (--on-unroutable block): bind a queue for its routing key or switch to --on-unroutable dead-letter; nothing after it is acknowledged"
+                            );
+                            self.retries.push(Reverse((Instant::now() + delay, seq)));
+                        }
+                    }
+                }
+            }
+        }
+        // Retries scheduled with no delay go out now.
+        self.publish_due_retries(publisher)
+    }
+
+    /// A message is settled (routed or dead-lettered): release its window share and let the
+    /// watermark count it.
+    fn settle(&mut self, m: &InFlight) -> Result<(), Error> {
+        self.bytes_in_flight = self.bytes_in_flight.saturating_sub(m.bytes);
+        self.wm
+            .confirm(m.txn)
+            .map_err(|e| Error::Stream(e.to_string()))
+    }
+
+    async fn dead_letter_inflight(
+        &mut self,
+        seq: u64,
+        reason: &str,
+        error: &str,
+    ) -> Result<(), Error> {
+        let m = self
+            .inflight
+            .remove(&seq)
+            .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
+        let env = envelope::decode(m.content.clone()).ok();
+        admin::write_dead_letter(
+            &self.sql,
+            &admin::NewDeadLetter {
+                message_id: env.as_ref().map(|e| e.message_id.as_str()),
+                topic: env.as_ref().map(|e| e.topic.as_str()),
+                lsn: m.lsn,
+                commit_lsn: Some(m.commit_lsn),
+                envelope: &m.content,
+                reason,
+                attempts: i32::try_from(m.attempts).unwrap_or(i32::MAX),
+                first_error: m.first_error.as_deref(),
+                last_error: error,
+            },
+        )
+        .await?;
+        tracing::error!(
+            lsn = %m.lsn,
+            message_id = env.as_ref().map(|e| e.message_id.as_str()).unwrap_or("-"),
+            reason,
+            attempts = m.attempts,
+            error,
+            "message dead-lettered to outbox.dead_letter (inspect with `pgoutbox dead-letters list`)"
+        );
+        self.summary.dead_lettered += 1;
+        self.settle(&m)
+    }
+
+    /// Dead-letters a message that is never published (poison, too large). It has no
+    /// watermark entry: it is durable before the loop handles the next frame.
+    async fn dead_letter_unpublished(
+        &mut self,
+        lsn: Lsn,
+        commit_lsn: Option<Lsn>,
+        content: &Bytes,
+        reason: &str,
+        error: &str,
+    ) -> Result<(), Error> {
+        let env = envelope::decode(content.clone()).ok();
+        admin::write_dead_letter(
+            &self.sql,
+            &admin::NewDeadLetter {
+                message_id: env.as_ref().map(|e| e.message_id.as_str()),
+                topic: env.as_ref().map(|e| e.topic.as_str()),
+                lsn,
+                commit_lsn,
+                envelope: content,
+                reason,
+                attempts: 0,
+                first_error: Some(error),
+                last_error: error,
+            },
+        )
+        .await?;
+        tracing::error!(
+            lsn = %lsn,
+            reason,
+            error,
+            "message dead-lettered to outbox.dead_letter without publishing (inspect with `pgoutbox dead-letters list`)"
+        );
+        self.summary.dead_lettered += 1;
         Ok(())
     }
 
@@ -393,7 +719,7 @@ impl Core {
     async fn handle(
         &mut self,
         msg: ReplicationMessage,
-        publisher: &mut Publisher<Ticket>,
+        publisher: &mut Publisher<u64>,
     ) -> Result<(), Error> {
         match msg {
             ReplicationMessage::PrimaryKeepalive {
@@ -409,15 +735,17 @@ impl Core {
                     self.send_status(StatusUpdateKind::KeepaliveReply).await?;
                 }
             }
-            ReplicationMessage::XLogData { data, .. } => self.handle_logical(data, publisher)?,
+            ReplicationMessage::XLogData { data, .. } => {
+                self.handle_logical(data, publisher).await?
+            }
         }
         Ok(())
     }
 
-    fn handle_logical(
+    async fn handle_logical(
         &mut self,
         data: Bytes,
-        publisher: &mut Publisher<Ticket>,
+        publisher: &mut Publisher<u64>,
     ) -> Result<(), Error> {
         let decoded = pgoutput::decode(data).map_err(|e| Error::Stream(e.to_string()))?;
         match decoded {
@@ -437,43 +765,60 @@ impl Core {
                 let Some((commit_lsn, commit_time_us)) =
                     self.current_txn.filter(|_| m.transactional)
                 else {
-                    tracing::error!(
-                        lsn = %m.lsn,
-                        "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one); skipping it and acknowledging nothing past it until restart"
-                    );
-                    self.wm.block_here();
-                    return Ok(());
+                    return self
+                        .dead_letter_unpublished(m.lsn, None, &m.content, "poison", "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)")
+                        .await;
                 };
-                match build_message(m.lsn, commit_lsn, commit_time_us, m.content) {
-                    Ok((routing_key, body, properties)) => {
-                        let txn = self
-                            .wm
-                            .add_message()
-                            .map_err(|e| Error::Stream(e.to_string()))?;
-                        let bytes = body.len();
-                        self.bytes_in_flight += bytes;
-                        self.summary.published += 1;
-                        publisher.publish(OutboundMessage {
-                            tag: Ticket {
-                                txn,
-                                bytes,
-                                lsn: m.lsn,
-                            },
-                            routing_key,
-                            body,
-                            properties,
-                            match_key: m.lsn.to_string(),
-                        })?;
-                    }
-                    Err(reason) => {
-                        tracing::error!(
-                            lsn = %m.lsn,
-                            reason = %reason,
-                            "undecodable outbox message (poison); skipping it and acknowledging nothing past it until restart"
-                        );
-                        self.wm.block_here();
-                    }
+                if m.content.len() > self.config.max_message_bytes {
+                    let error = format!(
+                        "message of {} bytes exceeds --max-message-bytes {}",
+                        m.content.len(),
+                        self.config.max_message_bytes
+                    );
+                    return self
+                        .dead_letter_unpublished(
+                            m.lsn,
+                            Some(commit_lsn),
+                            &m.content,
+                            "too_large",
+                            &error,
+                        )
+                        .await;
                 }
+                if let Err(reason) = envelope::decode(m.content.clone()) {
+                    let error = format!("undecodable outbox message (poison): {reason}");
+                    return self
+                        .dead_letter_unpublished(
+                            m.lsn,
+                            Some(commit_lsn),
+                            &m.content,
+                            "poison",
+                            &error,
+                        )
+                        .await;
+                }
+                let txn = self
+                    .wm
+                    .add_message()
+                    .map_err(|e| Error::Stream(e.to_string()))?;
+                let bytes = m.content.len();
+                self.bytes_in_flight += bytes;
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.inflight.insert(
+                    seq,
+                    InFlight {
+                        txn,
+                        lsn: m.lsn,
+                        commit_lsn,
+                        commit_time_us,
+                        content: m.content,
+                        bytes,
+                        attempts: 0,
+                        first_error: None,
+                    },
+                );
+                self.publish(seq, publisher)?;
             }
             LogicalMessage::Message(_) | LogicalMessage::Other { .. } => {}
         }

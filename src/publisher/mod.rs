@@ -121,7 +121,7 @@ impl<T: Send + 'static> Publisher<T> {
         }
         let props = ConnectionProperties::default()
             .with_connection_name(config.connection_name.clone().into());
-        let connection = Connection::connect(&config.amqp_url, props)
+        let connection = Connection::connect(&with_heartbeat(&config.amqp_url), props)
             .await
             .map_err(|source| Error::Connect {
                 context: "connecting",
@@ -208,6 +208,21 @@ impl<T: Send + 'static> Publisher<T> {
         for task in self.tasks {
             task.abort();
         }
+    }
+}
+
+/// AMQP heartbeat (seconds) asked for when the URL names none: a dead broker or a black-holed
+/// connection is noticed within about twice this.
+pub const DEFAULT_HEARTBEAT_S: u16 = 10;
+
+/// Adds `heartbeat=DEFAULT_HEARTBEAT_S` to an AMQP URL that sets none.
+fn with_heartbeat(url: &str) -> String {
+    if url.contains("heartbeat=") {
+        url.to_owned()
+    } else if url.contains('?') {
+        format!("{url}&heartbeat={DEFAULT_HEARTBEAT_S}")
+    } else {
+        format!("{url}?heartbeat={DEFAULT_HEARTBEAT_S}")
     }
 }
 

@@ -316,8 +316,24 @@ async fn declare_queue_with_args(
     let _ = conn.close(200, "bye".into()).await;
 }
 
+/// Rows of outbox.dead_letter as (message_id, reason, attempts).
+fn dead_letters(ob: &Outbox<'_>) -> Vec<(String, String, String)> {
+    ob.sql("SELECT coalesce(message_id, '-'), reason, attempts FROM outbox.dead_letter ORDER BY id")
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let mut f = l.split('|').map(str::to_owned);
+            (f.next().unwrap(), f.next().unwrap(), f.next().unwrap())
+        })
+        .collect()
+}
+
+fn row(id: &str, reason: &str, attempts: &str) -> (String, String, String) {
+    (id.to_owned(), reason.to_owned(), attempts.to_owned())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unroutable_message_stops_without_acknowledging_past_it() {
+async fn unroutable_message_is_dead_lettered_and_the_stream_goes_on() {
     let pg = Postgres::shared();
     let url = RabbitMq::shared().url();
     let ob = Outbox::new(pg, &url, "ops_return").await;
@@ -325,34 +341,115 @@ async fn unroutable_message_stops_without_acknowledging_past_it() {
     let queue = support::unique("ops_return_q");
     support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
     ob.sql("SELECT outbox.emit('ok.1', '{}', '{}', 'ok-1')");
-    let returned_lsn = lsn(&ob.sql("SELECT outbox.emit('nobody.home', '{}', '{}', 'unroutable')"));
+    let returned_lsn =
+        lsn(&ob.sql("SELECT outbox.emit('nobody.home', '{\"x\": 1}', '{}', 'unroutable')"));
     ob.sql("SELECT outbox.emit('ok.2', '{}', '{}', 'ok-2')");
     let streamer = ob.run(&["--exchange", &exchange]);
-    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
-    assert_eq!(
-        status.map(|s| s.success()),
-        Some(false),
+    let got = support::drain_queue(&url, &queue, 2, scaled(Duration::from_secs(20))).await;
+    let ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
+    assert_eq!(ids, ["ok-1", "ok-2"], "{}", streamer.log());
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() > returned_lsn
+        })
+        .await,
+        "the slot moves on once the return is durably dead-lettered"
+    );
+    assert_eq!(dead_letters(&ob), [row("unroutable", "returned", "1")]);
+    let log = streamer.log();
+    assert!(log.contains("312 NO_ROUTE"), "{log}");
+    // The CLI shows it, and a requeue after binding a queue delivers it with its id.
+    let list = pgoutbox(&[
+        "dead-letters",
+        "list",
+        "--json",
+        "--database-url",
+        &ob.url(),
+    ]);
+    let rows: serde_json::Value = serde_json::from_slice(&list.stdout).expect("list --json");
+    assert_eq!(rows[0]["reason"], "returned");
+    assert_eq!(rows[0]["topic"], "nobody.home");
+    support::declare_bound_queue(&url, &exchange, &queue, "nobody.#").await;
+    let out = pgoutbox(&[
+        "dead-letters",
+        "requeue",
+        "--all",
+        "--database-url",
+        &ob.url(),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("requeued 1"),
+        "{}",
+        stderr(&out)
+    );
+    let got = support::drain_queue(&url, &queue, 1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].message_id.as_deref(), Some("unroutable"));
+    assert_eq!(got[0].body_str(), "{\"x\": 1}");
+    let out = pgoutbox(&[
+        "dead-letters",
+        "purge",
+        "--older-than",
+        "0s",
+        "--database-url",
+        &ob.url(),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("purged 1"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(dead_letters(&ob).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_message_under_block_policy_holds_the_slot_until_routable() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "ops_block_policy").await;
+    let exchange = support::unique("ops_block_policy_x");
+    let queue = support::unique("ops_block_policy_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let stuck_lsn = lsn(&ob.sql("SELECT outbox.emit('later.1', '{}', '{}', 'held')"));
+    ob.sql("SELECT outbox.emit('ok.1', '{}', '{}', 'after-held')");
+    let streamer = ob.run(&["--exchange", &exchange, "--on-unroutable", "block"]);
+    assert!(
+        streamer
+            .wait_for_log("attempt=3", scaled(Duration::from_secs(20)))
+            .await,
+        "it keeps retrying:\n{}",
+        streamer.log()
+    );
+    assert!(streamer
+        .log()
+        .contains("unroutable message blocks the outbox"));
+    assert!(
+        ob.confirmed_flush() < stuck_lsn,
+        "nothing at or after it is acknowledged"
+    );
+    assert!(dead_letters(&ob).is_empty());
+    // An operator binds a queue: the retry goes through and the slot moves on.
+    support::declare_bound_queue(&url, &exchange, &queue, "later.#").await;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > stuck_lsn
+        })
+        .await,
         "{}",
         streamer.log()
     );
-    let log = streamer.log();
-    assert!(
-        log.contains("returned by the broker (312 NO_ROUTE)"),
-        "{log}"
-    );
-    assert!(
-        ob.confirmed_flush() < returned_lsn,
-        "slot stays before the returned message"
-    );
-    let got = support::drain_queue(&url, &queue, 1, scaled(Duration::from_secs(5))).await;
+    let got = support::drain_queue(&url, &queue, 2, scaled(Duration::from_secs(10))).await;
+    let mut ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
+    ids.sort();
     assert_eq!(
-        got.first().and_then(|m| m.message_id.clone()).as_deref(),
-        Some("ok-1")
+        ids,
+        ["after-held", "held"],
+        "order inversion after a retry is allowed; loss is not"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nacked_message_stops_without_acknowledging_past_it() {
+async fn nacked_message_is_retried_then_dead_lettered_then_requeued() {
     let pg = Postgres::shared();
     let url = RabbitMq::shared().url();
     let ob = Outbox::new(pg, &url, "ops_nack").await;
@@ -366,43 +463,87 @@ async fn nacked_message_stops_without_acknowledging_past_it() {
     );
     declare_queue_with_args(&url, &exchange, &queue, "#", args).await;
     ob.sql("SELECT outbox.emit('a', '{}', '{}', 'fits')");
-    let nacked_lsn = lsn(&ob.sql("SELECT outbox.emit('a', '{}', '{}', 'rejected')"));
-    let streamer = ob.run(&["--exchange", &exchange]);
-    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let nacked_lsn = lsn(&ob.sql("SELECT outbox.emit('a', '{\"n\": 2}', '{}', 'rejected')"));
+    let streamer = ob.run(&["--exchange", &exchange, "--max-attempts", "3"]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > nacked_lsn
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    assert_eq!(dead_letters(&ob), [row("rejected", "nacked", "3")]);
     assert_eq!(
-        status.map(|s| s.success()),
-        Some(false),
-        "{}",
-        streamer.log()
+        streamer.log_count("message nacked by the broker; retrying"),
+        2
     );
+    // Permanent rejection, then an operator makes room and requeues: it is delivered.
+    let first = support::drain_queue(&url, &queue, 1, scaled(Duration::from_secs(10))).await;
+    assert_eq!(first[0].message_id.as_deref(), Some("fits"));
+    let id = ob
+        .sql("SELECT id FROM outbox.dead_letter")
+        .trim()
+        .to_owned();
+    let out = pgoutbox(&[
+        "dead-letters",
+        "requeue",
+        "--id",
+        &id,
+        "--database-url",
+        &ob.url(),
+    ]);
     assert!(
-        streamer.log().contains("nacked by the broker"),
+        String::from_utf8_lossy(&out.stdout).contains("requeued 1"),
         "{}",
-        streamer.log()
+        stderr(&out)
     );
-    assert!(
-        ob.confirmed_flush() < nacked_lsn,
-        "slot stays before the nacked message"
-    );
+    let got = support::drain_queue(&url, &queue, 1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(got.len(), 1, "{}", streamer.log());
+    assert_eq!(got[0].message_id.as_deref(), Some("rejected"));
+    assert_eq!(got[0].body_str(), "{\"n\": 2}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_messages_are_skipped_and_nothing_past_them_is_acknowledged() {
+async fn poison_and_oversized_messages_are_dead_lettered_raw() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "ops_poison").await;
-    let streamer = ob.run(&[]);
+    let streamer = ob.run(&["--max-message-bytes", "1000"]);
     ob.sql("SELECT outbox.emit('t', '{}', '{}', 'before')");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
-    let poison =
-        lsn(&ob.sql("SELECT pg_logical_emit_message(false, 'pgoutbox', 'not from outbox.emit')"));
+    ob.sql("SELECT pg_logical_emit_message(false, 'pgoutbox', 'not from outbox.emit')");
     ob.sql("SELECT pg_logical_emit_message(true, 'pgoutbox', 'not an envelope')");
-    ob.sql("SELECT outbox.emit('t', '{}', '{}', 'after')");
+    ob.sql(
+        "SELECT outbox.emit('t', jsonb_build_object('big', repeat('x', 2000)), '{}', 'too-big')",
+    );
+    let last = lsn(&ob.sql("SELECT outbox.emit('t', '{}', '{}', 'after')"));
     let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
     assert_eq!(
         got.iter()
             .map(|m| m.message_id.clone().unwrap())
             .collect::<Vec<_>>(),
         ["after"]
+    );
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() >= last
+        })
+        .await,
+        "the stream goes on past poison"
+    );
+    assert_eq!(
+        dead_letters(&ob),
+        [
+            row("-", "poison", "0"),
+            row("-", "poison", "0"),
+            row("too-big", "too_large", "0")
+        ]
+    );
+    let raw =
+        ob.sql("SELECT convert_from(envelope, 'UTF8') FROM outbox.dead_letter ORDER BY id LIMIT 2");
+    assert!(
+        raw.contains("not from outbox.emit") && raw.contains("not an envelope"),
+        "{raw}"
     );
     streamer.sigterm();
     assert_eq!(
@@ -411,16 +552,6 @@ async fn poison_messages_are_skipped_and_nothing_past_them_is_acknowledged() {
             .await
             .map(|s| s.success()),
         Some(true)
-    );
-    let log = streamer.log();
-    assert!(
-        log.contains("non-transactional logical message with prefix pgoutbox"),
-        "{log}"
-    );
-    assert!(log.contains("undecodable outbox message (poison)"), "{log}");
-    assert!(
-        ob.confirmed_flush() < poison,
-        "nothing past the poison message is acknowledged"
     );
 }
 
