@@ -1,4 +1,4 @@
--- pgoutbox producer functions (PostgreSQL 13+; tested on 15).
+-- pgoutbox producer functions (PostgreSQL 14+; tested on 15).
 --
 -- Producers call outbox.emit(...) or outbox.emit_bytes(...) inside their own transaction.
 -- The functions validate their arguments, build a version-1 envelope and write it to WAL

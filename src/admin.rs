@@ -15,16 +15,39 @@ pub const OUTBOX_SQL: &str = include_str!("../sql/outbox.sql");
 /// # Errors
 /// [`Error::Sql`] when the connection fails.
 pub async fn connect(config: &tokio_postgres::Config) -> Result<Client, Error> {
-    let (client, connection) = config
-        .connect(NoTls)
-        .await
-        .map_err(|e| Error::sql("connecting", e))?;
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        let target = describe_target(config);
+        let hint = if e.code().is_some_and(|c| c.code().starts_with("28")) {
+            "check the user and password in --database-url (PGOUTBOX_DATABASE_URL)"
+        } else if e.to_string().contains("password missing") {
+            "the server asks for a password: add it to --database-url (postgres://user:password@host/db)"
+        } else {
+            "check host, port and dbname in --database-url (PGOUTBOX_DATABASE_URL) and that PostgreSQL is running"
+        };
+        Error::sql(format!("connecting to {target}; {hint}"), e)
+    })?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "sql connection ended");
         }
     });
     Ok(client)
+}
+
+/// `user@host:port/dbname` of a connection config, for error messages (no password).
+pub fn describe_target(config: &tokio_postgres::Config) -> String {
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".into(),
+    };
+    format!(
+        "PostgreSQL {}@{}:{}/{}",
+        config.get_user().unwrap_or("?"),
+        host,
+        config.get_ports().first().copied().unwrap_or(5432),
+        config.get_dbname().unwrap_or("?")
+    )
 }
 
 /// Fails unless `wal_level = logical`.
@@ -326,8 +349,12 @@ pub async fn teardown(
         Ok(status) => {
             if status.active {
                 return Err(Error::Precondition(format!(
-                    "slot {slot:?} is active (pid {:?}, {:?}); stop the streamer first",
-                    status.active_pid, status.holder
+                    "slot {slot:?} is active (pid {}, {}); stop the streamer first",
+                    status
+                        .active_pid
+                        .map(|p| p.to_string())
+                        .unwrap_or_else(|| "unknown".into()),
+                    status.holder.as_deref().unwrap_or("unknown application")
                 )));
             }
             if force == crate::cli::Force::No && status.wal_status.as_deref() != Some("lost") {

@@ -59,7 +59,7 @@ pub enum DeadLetterCommand {
 #[derive(Debug, Args)]
 pub struct DeadLetterDb {
     /// PostgreSQL connection URL.
-    #[arg(long, env = "PGOUTBOX_DATABASE_URL")]
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 }
 
@@ -145,7 +145,7 @@ pub enum OnUnroutable {
 pub struct DbArgs {
     /// PostgreSQL connection URL (postgres://user:password@host:port/db); a host that is
     /// a directory means a Unix socket.
-    #[arg(long, env = "PGOUTBOX_DATABASE_URL")]
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Logical replication slot name.
     #[arg(long, env = "PGOUTBOX_SLOT", default_value = DEFAULT_SLOT)]
@@ -170,7 +170,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// RabbitMQ URL (amqp://user:password@host:port/vhost).
-    #[arg(long, env = "PGOUTBOX_AMQP_URL")]
+    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true)]
     pub amqp_url: String,
     /// Publication name.
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]

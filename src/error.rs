@@ -36,7 +36,7 @@ pub enum Error {
         confirmed_flush_lsn: String,
     },
     /// The slot stayed held by another process past the retry budget.
-    #[error("replication slot {slot:?} is still held by another process (pid {holder_pid}, application_name {holder_name:?}) after {waited_s} s; stop the other streamer or raise --slot-busy-timeout")]
+    #[error("replication slot {slot:?} is still held by another process (pid {holder_pid}, application_name {holder_name:?}) after {waited_s} s; stop the other streamer or raise --slot-busy-timeout-s (0 waits forever)")]
     SlotBusy {
         /// The slot.
         slot: String,
@@ -109,9 +109,15 @@ fn is_definite_sqlstate(code: &str) -> bool {
 /// Renders an error with its chain of causes, one per line, for the operator.
 pub fn render_report(error: &(dyn std::error::Error + 'static)) -> String {
     let mut out = format!("error: {error}");
+    let mut last = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
-        out.push_str(&format!("\n  caused by: {cause}"));
+        let text = cause.to_string();
+        // Some libraries repeat their source in their own message: print it once.
+        if !last.contains(&text) {
+            out.push_str(&format!("\n  caused by: {text}"));
+        }
+        last = text;
         source = cause.source();
     }
     out

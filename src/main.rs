@@ -10,10 +10,10 @@ use pgoutbox::{admin, pipeline};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // lapin logs returned messages (with their payload) at warn: keep it at error so no
-    // payload bytes reach the log.
+    // lapin logs returned messages (with their payload) at warn and its own connection
+    // failures at error; pgoutbox reports both itself, so lapin stays silent by default.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,lapin=error,tokio_postgres=warn")
+        tracing_subscriber::EnvFilter::new("info,lapin=off,tokio_postgres=warn")
     });
     tracing_subscriber::fmt()
         .with_env_filter(filter)

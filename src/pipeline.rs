@@ -304,7 +304,10 @@ async fn start_stream(
                         });
                     }
                 }
-                let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                let mut delay = delays.next().unwrap_or(Duration::from_secs(10));
+                if let Some(limit) = config.slot_busy_timeout {
+                    delay = delay.min(limit.saturating_sub(waited) + Duration::from_millis(50));
+                }
                 tracing::warn!(
                     slot = %config.slot,
                     holder_pid = %holder_pid,
@@ -587,7 +590,10 @@ impl Core {
                     reply_code,
                     reply_text,
                 } => {
-                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for this routing key", self.config.exchange);
+                    let topic = envelope::decode(m.content.clone())
+                        .map(|e| e.topic)
+                        .unwrap_or_default();
+                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for routing key {topic:?}", self.config.exchange);
                     m.first_error.get_or_insert_with(|| error.clone());
                     match self.config.on_unroutable {
                         UnroutablePolicy::DeadLetter => {
@@ -730,7 +736,8 @@ impl Core {
                 self.received = self.received.max(wal_end);
                 // Every XLogData before this keepalive has been handled (frames are handled
                 // in arrival order), so an idle watermark may move to walEnd.
-                self.wm.keepalive(wal_end);
+                let moved = self.wm.keepalive(wal_end);
+                tracing::trace!(wal_end = %wal_end, moved, reply_requested, "primary keepalive");
                 if reply_requested {
                     self.send_status(StatusUpdateKind::KeepaliveReply).await?;
                 }
@@ -750,11 +757,13 @@ impl Core {
         let decoded = pgoutput::decode(data).map_err(|e| Error::Stream(e.to_string()))?;
         match decoded {
             LogicalMessage::Begin(b) => {
+                tracing::trace!(final_lsn = %b.final_lsn, "begin");
                 self.wm.begin().map_err(|e| Error::Stream(e.to_string()))?;
                 self.current_txn =
                     Some((b.final_lsn, pgoutput::pg_time_to_unix_us(b.commit_time_us)));
             }
             LogicalMessage::Commit(c) => {
+                tracing::trace!(end_lsn = %c.end_lsn, "commit");
                 self.wm
                     .commit(c.end_lsn)
                     .map_err(|e| Error::Stream(e.to_string()))?;

@@ -2,6 +2,9 @@
 
 mod support;
 
+mod chaos;
 mod end_to_end;
+mod faults;
 mod harness_smoke;
 mod operations;
+mod proxy_smoke;

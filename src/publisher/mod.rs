@@ -48,10 +48,10 @@ pub enum Error {
     #[error("invalid AMQP URL: {0}")]
     Url(String),
     /// Connecting or opening the channel failed.
-    #[error("could not connect to RabbitMQ while {context}")]
+    #[error("RabbitMQ: {context}")]
     Connect {
-        /// What we were doing.
-        context: &'static str,
+        /// What we were doing, with the redacted URL and the fix.
+        context: String,
         /// lapin's error.
         #[source]
         source: lapin::Error,
@@ -124,21 +124,24 @@ impl<T: Send + 'static> Publisher<T> {
         let connection = Connection::connect(&with_heartbeat(&config.amqp_url), props)
             .await
             .map_err(|source| Error::Connect {
-                context: "connecting",
+                context: format!(
+                    "could not connect to {}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running",
+                    crate::config::redact_url(&config.amqp_url)
+                ),
                 source,
             })?;
         let channel = connection
             .create_channel()
             .await
             .map_err(|source| Error::Connect {
-                context: "opening a channel",
+                context: "could not open a channel".into(),
                 source,
             })?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|source| Error::Connect {
-                context: "enabling publisher confirms",
+                context: "could not enable publisher confirms".into(),
                 source,
             })?;
         channel

@@ -93,7 +93,7 @@ impl<'a> Outbox<'a> {
             args.extend(["--exchange".into(), self.exchange.clone()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=debug")])
+        Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=trace")])
     }
 
     /// Runs SQL as the superuser in this database.

@@ -24,6 +24,7 @@
 pub mod amqp;
 pub mod fixture;
 pub mod postgres;
+pub mod proxy;
 pub mod rabbit;
 pub mod streamer;
 
@@ -43,6 +44,7 @@ pub use amqp::{
 };
 pub use fixture::{lsn, Outbox};
 pub use postgres::Postgres;
+pub use proxy::Proxy;
 pub use rabbit::RabbitMq;
 pub use streamer::Streamer;
 
