@@ -380,17 +380,34 @@ async fn one_large_transaction_streams_with_bounded_memory() {
         })
         .unwrap();
     assert!(done, "{}", streamer.log());
-    assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.lag_bytes() < 16 * 1024 * 1024
-        })
-        .await,
-        "the slot moves past the transaction once all {n} are confirmed"
-    );
     assert_eq!(
         support::queue_len(&ob.amqp_url, &ob.queue).await as i64,
         n,
         "each message once"
+    );
+    // The transaction's commit LSN, from the first message's header.
+    let conn = support::amqp_connect(&ob.amqp_url).await;
+    let ch = conn.create_channel().await.unwrap();
+    let first = ch
+        .basic_get(ob.queue.as_str().into(), lapin::options::BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("a message");
+    let commit_lsn = first
+        .delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-pgoutbox-commit-lsn").map(support::amqp::render))
+        .map(|t| lsn(&t))
+        .expect("commit LSN header");
+    let _ = conn.close(200, "bye".into()).await;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > commit_lsn
+        })
+        .await,
+        "the slot moves past the transaction once all {n} are confirmed"
     );
     eprintln!("large transaction: {n} messages, emit {emitted_s:.1} s, stream {streamed_s:.1} s, streamer peak RSS {} MB", hwm_kb / 1024);
     assert!(
