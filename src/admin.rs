@@ -7,6 +7,10 @@ use tokio_postgres::{Client, NoTls};
 use crate::error::Error;
 use crate::lsn::Lsn;
 
+/// How long an ordinary SQL connection attempt may take when the URL sets no
+/// `connect_timeout`.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The producer helpers, installed by `setup` (idempotent).
 pub const OUTBOX_SQL: &str = include_str!("../sql/outbox.sql");
 
@@ -15,6 +19,11 @@ pub const OUTBOX_SQL: &str = include_str!("../sql/outbox.sql");
 /// # Errors
 /// [`Error::Sql`] when the connection fails.
 pub async fn connect(config: &tokio_postgres::Config) -> Result<Client, Error> {
+    let mut config = config.clone();
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    let config = &config;
     let (client, connection) = config.connect(NoTls).await.map_err(|e| {
         let target = describe_target(config);
         let hint = if e.code().is_some_and(|c| c.code().starts_with("28")) {

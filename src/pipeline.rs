@@ -103,6 +103,12 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
     }
 }
 
+/// Unconfirmed messages with no progress for this long are warned about, this often.
+const STALL_WARNING: Duration = Duration::from_secs(30);
+/// How long closing the broker connection and the replication stream may take.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long connecting to the broker may take (a black-holed host never answers).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Healthy-session length after which the reconnect backoff starts again from its minimum.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 /// How long a session whose Postgres connection broke keeps collecting broker confirms, so
@@ -186,12 +192,23 @@ async fn run_session(
 ) -> Result<(), Error> {
     let sql = admin::connect_dead_letter_writer(pg).await?;
     admin::preflight(&sql, &config.slot, &config.publication).await?;
-    let mut publisher = Publisher::<u64>::connect(&PublisherConfig {
+    let publisher_config = PublisherConfig {
         amqp_url: config.amqp_url.clone(),
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
-    })
-    .await?;
+    };
+    let mut publisher = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        Publisher::<u64>::connect(&publisher_config),
+    )
+    .await
+    .map_err(|_| {
+        Error::BrokerLost(format!(
+            "connecting to {} timed out after {} s",
+            crate::config::redact_url(&config.amqp_url),
+            CONNECT_TIMEOUT.as_secs()
+        ))
+    })??;
     let application_name = format!("pgoutbox-{}", config.instance_id);
     let hint = resume.unwrap_or(Lsn::ZERO);
     let (stream, interval) = start_stream(config, pg, &sql, &application_name, hint).await?;
@@ -225,13 +242,16 @@ async fn run_session(
         next_seq: 0,
         retries: BinaryHeap::new(),
         summary: std::mem::take(summary),
+        last_progress: Instant::now(),
+        last_stall_warning: Instant::now(),
     };
     let result = core.run_loop(&mut publisher, shutdown).await;
     *resume = Some(core.wm.flushed());
     core.summary.flushed = core.last_sent_flush;
     *summary = std::mem::take(&mut core.summary);
-    publisher.close().await;
-    core.stream.close().await;
+    // Closing talks to peers that may be gone or black-holed: never wait long for it.
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, publisher.close()).await;
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, core.stream.close()).await;
     if result.is_ok() {
         tracing::info!(
             published = summary.published,
@@ -317,6 +337,18 @@ async fn start_stream(
                 );
                 tokio::time::sleep(delay).await;
             }
+            // PostgreSQL 15: "can no longer get changes from replication slot" once
+            // max_slot_wal_keep_size invalidated it.
+            Err(e) if e.code() == Some("55000") => {
+                return Err(Error::SlotLost {
+                    slot: config.slot.clone(),
+                    confirmed_flush_lsn: admin::slot_status(sql, &config.slot)
+                        .await
+                        .ok()
+                        .and_then(|s| s.confirmed_flush_lsn)
+                        .unwrap_or_else(|| e.to_string()),
+                })
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -364,6 +396,10 @@ struct Core {
     /// Messages waiting to be published again: (due, seq), earliest first.
     retries: BinaryHeap<Reverse<(Instant, u64)>>,
     summary: RunSummary,
+    /// Last time a message was settled, or nothing was outstanding: the start of a stall.
+    last_progress: Instant,
+    /// Last time a stall warning was logged.
+    last_stall_warning: Instant,
 }
 
 impl Core {
@@ -449,6 +485,7 @@ impl Core {
                     if let Err(e) = self.send_status(StatusUpdateKind::Periodic).await {
                         drain = self.on_error(e)?;
                     }
+                    self.warn_if_stalled();
                 }
                 // PRIORITY 4: broker confirms. Cancel safety: mpsc recv is cancel safe.
                 batch = publisher.recv_outcomes() => {
@@ -619,9 +656,33 @@ impl Core {
         self.publish_due_retries(publisher)
     }
 
+    /// Logs a warning, at most every [`STALL_WARNING`], while messages stay unconfirmed
+    /// with no progress for longer than that (a blocked or silent broker).
+    fn warn_if_stalled(&mut self) {
+        let now = Instant::now();
+        if self.wm.unconfirmed() == 0 {
+            self.last_progress = now;
+            return;
+        }
+        let stalled = now.duration_since(self.last_progress);
+        if stalled >= STALL_WARNING && now.duration_since(self.last_stall_warning) >= STALL_WARNING
+        {
+            self.last_stall_warning = now;
+            tracing::warn!(
+                stalled_s = stalled.as_secs(),
+                unconfirmed = self.wm.unconfirmed(),
+                window_full = !self.has_room(),
+                flushed_lsn = %self.wm.flushed(),
+                received_lsn = %self.received,
+                "no broker confirm for a while: the broker may be blocked (memory or disk alarm) or unreachable; nothing unconfirmed is acknowledged"
+            );
+        }
+    }
+
     /// A message is settled (routed or dead-lettered): release its window share and let the
     /// watermark count it.
     fn settle(&mut self, m: &InFlight) -> Result<(), Error> {
+        self.last_progress = Instant::now();
         self.bytes_in_flight = self.bytes_in_flight.saturating_sub(m.bytes);
         self.wm
             .confirm(m.txn)

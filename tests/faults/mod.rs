@@ -389,7 +389,10 @@ async fn one_large_transaction_streams_with_bounded_memory() {
     let conn = support::amqp_connect(&ob.amqp_url).await;
     let ch = conn.create_channel().await.unwrap();
     let first = ch
-        .basic_get(ob.queue.as_str().into(), lapin::options::BasicGetOptions { no_ack: true })
+        .basic_get(
+            ob.queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
         .await
         .unwrap()
         .expect("a message");
@@ -398,7 +401,11 @@ async fn one_large_transaction_streams_with_bounded_memory() {
         .properties
         .headers()
         .as_ref()
-        .and_then(|h| h.inner().get("x-pgoutbox-commit-lsn").map(support::amqp::render))
+        .and_then(|h| {
+            h.inner()
+                .get("x-pgoutbox-commit-lsn")
+                .map(support::amqp::render)
+        })
         .map(|t| lsn(&t))
         .expect("commit LSN header");
     let _ = conn.close(200, "bye".into()).await;
