@@ -423,3 +423,135 @@ async fn one_large_transaction_streams_with_bounded_memory() {
     );
     support::purge_queue(&ob.amqp_url, &ob.queue).await;
 }
+
+/// Case C2: the broker connections are closed mid-stream, then the streamer crashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn case_c2_broker_connections_closed_then_crash() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "case_c2").await;
+    ob.sql("DO $$ BEGIN FOR n IN 1..1000 LOOP PERFORM outbox.emit('c2', jsonb_build_object('n', n), '{}', 'c2-' || n); COMMIT; END LOOP; END $$");
+    let streamer = ob.run(&["--max-in-flight", "100"]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            support::queue_len(&ob.amqp_url, &ob.queue).await >= 500
+        })
+        .await
+    );
+    rmq.close_all_connections();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    streamer.kill9();
+    streamer.wait_exit(Duration::from_secs(10)).await;
+    let at_crash = ob.confirmed_flush();
+    // What the broker holds now was confirmed or at least stored before the crash.
+    let before = ob.drain(1, scaled(Duration::from_secs(5))).await;
+    let max_commit = before
+        .iter()
+        .map(|m| lsn(&m.headers["x-pgoutbox-commit-lsn"]))
+        .max()
+        .unwrap();
+    assert!(
+        at_crash <= max_commit + 4096,
+        "confirmed_flush_lsn {at_crash:X} is not past the last stored message's commit {max_commit:X}"
+    );
+    let again = ob.run(&[]);
+    let after = ob
+        .drain(1000 - ids(&before).len(), scaled(Duration::from_secs(30)))
+        .await;
+    let mut all = ids(&before);
+    all.extend(ids(&after));
+    for n in 1..=1000 {
+        assert!(
+            all.contains(&format!("c2-{n}")),
+            "c2-{n} missing\n{}",
+            again.log()
+        );
+    }
+}
+
+/// Case C3: a large transaction partly sent when the streamer crashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn case_c3_large_transaction_partly_sent() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "case_c3").await;
+    ob.sql("DO $$ BEGIN FOR n IN 1..20000 LOOP PERFORM outbox.emit('c3', jsonb_build_object('n', n), '{}', 'c3-' || n); END LOOP; END $$");
+    let crashing = ob.run(&["--failpoint", "abort-after-confirms=8000"]);
+    crashing.wait_exit(scaled(Duration::from_secs(60))).await;
+    let first = ob.drain(8000, scaled(Duration::from_secs(10))).await;
+    let commit = lsn(&first[0].headers["x-pgoutbox-commit-lsn"]);
+    assert!(
+        first.len() >= 8000,
+        "about 8,000 were confirmed before the crash"
+    );
+    assert!(first.len() < 20000);
+    assert!(
+        ob.confirmed_flush() <= commit,
+        "the slot stays before the transaction's commit"
+    );
+    let again = ob.run(&[]);
+    let second = ob.drain(20000, scaled(Duration::from_secs(60))).await;
+    assert_eq!(
+        second.len(),
+        20000,
+        "the whole transaction is sent again:\n{}",
+        again.log()
+    );
+    let ids_second: Vec<String> = second
+        .iter()
+        .map(|m| m.message_id.clone().unwrap())
+        .collect();
+    let expected: Vec<String> = (1..=20000).map(|n| format!("c3-{n}")).collect();
+    assert_eq!(ids_second, expected, "in order, with identical ids");
+    let dup = first
+        .iter()
+        .filter(|m| ids_second.contains(m.message_id.as_ref().unwrap()))
+        .count();
+    eprintln!(
+        "case C3: {} delivered before the crash, all {dup} sent again",
+        first.len()
+    );
+}
+
+/// Case C7: the slot was invalidated by max_slot_wal_keep_size while the streamer was down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn case_c7_lost_slot_is_reported_not_recreated() {
+    let pg = Postgres::start_private(&[
+        ("max_slot_wal_keep_size", "64MB"),
+        ("max_wal_size", "96MB"),
+        ("min_wal_size", "32MB"),
+    ]);
+    let ob = Outbox::new(&pg, &RabbitMq::shared().url(), "case_c7").await;
+    let streamer = ob.run(&[]);
+    ob.sql("SELECT outbox.emit('c7', '{}', '{}', 'before')");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    ob.sql("CREATE TABLE junk (x text)");
+    for _ in 0..6 {
+        ob.sql("INSERT INTO junk SELECT repeat(md5(random()::text), 32) FROM generate_series(1, 50000)");
+        ob.sql("CHECKPOINT");
+    }
+    let status = ob.sql(&format!(
+        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = '{}'",
+        ob.slot
+    ));
+    assert_eq!(status.trim(), "lost", "the slot was invalidated");
+    let again = ob.run(&[]);
+    let exit = again.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(
+        exit.map(|s| s.success()),
+        Some(false),
+        "a lost slot is not retried forever"
+    );
+    let log = again.log();
+    assert!(log.contains("is lost (wal_status = 'lost')"), "{log}");
+    assert!(log.contains("will not recreate it silently"), "{log}");
+    let json = ob.cli(&["status", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(json["wal_status"], "lost");
+    assert_eq!(
+        ob.sql("SELECT count(*) FROM pg_replication_slots").trim(),
+        "1",
+        "no new slot"
+    );
+}

@@ -255,19 +255,39 @@ async fn second_instance_waits_names_the_holder_and_never_publishes() {
     let first = ob.run(&["--instance-id", "first"]);
     ob.sql("SELECT outbox.emit('t', '{}', '{}', 'one')");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
-    let second = ob.run(&["--instance-id", "second", "--slot-busy-timeout-s", "3"]);
-    let status = second.wait_exit(scaled(Duration::from_secs(30))).await;
+    let bounded = ob.run(&["--instance-id", "bounded", "--slot-busy-timeout-s", "3"]);
+    let status = bounded.wait_exit(scaled(Duration::from_secs(30))).await;
     assert_eq!(status.map(|s| s.success()), Some(false));
-    let log = second.log();
+    let log = bounded.log();
     assert!(
         log.contains("slot is active in another process; waiting"),
         "{log}"
     );
     assert!(log.contains("pgoutbox-first"), "names the holder: {log}");
     assert!(log.contains("still held by another process"), "{log}");
+    // A standby (the default) waits, names the holder, and takes over when it goes away.
+    let standby = ob.run(&["--instance-id", "standby"]);
+    assert!(
+        standby
+            .wait_for_log("pgoutbox-first", scaled(Duration::from_secs(20)))
+            .await,
+        "{}",
+        standby.log()
+    );
     ob.sql("SELECT outbox.emit('t', '{}', '{}', 'two')");
     let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
     assert_eq!(got.len(), 1, "only the holder publishes");
+    first.kill9();
+    ob.sql("SELECT outbox.emit('t', '{}', '{}', 'three')");
+    let got = ob.drain(1, scaled(Duration::from_secs(60))).await;
+    assert_eq!(
+        got.iter()
+            .map(|m| m.message_id.clone().unwrap())
+            .collect::<Vec<_>>(),
+        ["three"],
+        "the standby took over:\n{}",
+        standby.log()
+    );
     assert_eq!(
         pg.psql(
             &ob.db,
@@ -280,7 +300,6 @@ async fn second_instance_waits_names_the_holder_and_never_publishes() {
         "1",
         "no second slot"
     );
-    drop(first);
 }
 
 /// Declares a queue bound to `exchange` with `binding`, with extra queue arguments.
@@ -611,4 +630,8 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
         .collect();
     assert!(ns.windows(2).all(|w| w[0] < w[1]), "in order");
     eprintln!("blocked broker: peak RSS {rss_kb} kB with a 200-message window");
+    assert!(
+        rss_kb < 128 * 1024,
+        "memory stays bounded while the broker is blocked"
+    );
 }
