@@ -555,3 +555,71 @@ async fn case_c7_lost_slot_is_reported_not_recreated() {
         "no new slot"
     );
 }
+
+/// A black-holed broker connection (no RST, no data) is noticed through AMQP heartbeats and
+/// the streamer reconnects once the path is back; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn black_holed_broker_is_noticed_by_heartbeat() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let amqp_proxy = Proxy::start(rmq.port());
+    let ob = Outbox::new(pg, &rmq.url(), "faults_heartbeat").await;
+    let proxied = Outbox {
+        amqp_url: format!(
+            "amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",
+            amqp_proxy.port()
+        ),
+        db: ob.db.clone(),
+        slot: ob.slot.clone(),
+        publication: ob.publication.clone(),
+        exchange: ob.exchange.clone(),
+        queue: ob.queue.clone(),
+        pg,
+    };
+    let streamer = proxied.run(&[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicI64::new(0));
+    let producer = steady_producer(ob.url(), 100, stop.clone(), count.clone());
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            support::queue_len(&ob.amqp_url, &ob.queue).await >= 100
+        })
+        .await
+    );
+    amqp_proxy.stall();
+    assert!(
+        streamer
+            .wait_for_log(
+                "session failed; reconnecting",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "a silent broker is noticed:\n{}",
+        streamer.log()
+    );
+    amqp_proxy.pass();
+    let resumed_from = support::queue_len(&ob.amqp_url, &ob.queue).await;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(60)), || async {
+            support::queue_len(&ob.amqp_url, &ob.queue).await >= resumed_from + 200
+        })
+        .await,
+        "publishing resumes:\n{}",
+        streamer.log()
+    );
+    stop.store(true, Ordering::SeqCst);
+    let committed = producer.await.unwrap();
+    let got = ob
+        .drain(committed.len(), scaled(Duration::from_secs(30)))
+        .await;
+    let delivered = ids(&got);
+    let missing: Vec<_> = committed
+        .iter()
+        .filter(|id| !delivered.contains(*id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "missing {:?}",
+        &missing[..missing.len().min(10)]
+    );
+}
