@@ -10,5 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/stack.sh install
-cargo build --release --bin pgoutbox --example bench
-exec target/release/examples/bench "$@"
+cargo build --release --bin pgoutbox
+cargo build --release --example bench
+PGOUTBOX_BENCH_SKIP_BUILD=1 exec target/release/examples/bench "$@"

@@ -325,7 +325,7 @@ fn loadavg() -> String {
 async fn pg(url: &str, what: &str) -> R<tokio_postgres::Client> {
     let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
-        .map_err(|e| format!("{what}: connect to Postgres ({url}): {e}"))?;
+        .map_err(|e| format!("{what}: connect to Postgres ({url}): {}", pg_err(&e)))?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             eprintln!("bench: postgres connection error: {e}");
@@ -334,17 +334,37 @@ async fn pg(url: &str, what: &str) -> R<tokio_postgres::Client> {
     Ok(client)
 }
 
+/// The server's message, not just tokio-postgres's "db error".
+fn pg_err(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!(
+            "{}: {} (SQLSTATE {}){}",
+            db.severity(),
+            db.message(),
+            db.code().code(),
+            db.detail()
+                .map(|d| format!(", detail: {d}"))
+                .unwrap_or_default()
+        ),
+        None => e.to_string(),
+    }
+}
+
 async fn sql(c: &tokio_postgres::Client, what: &str, q: &str) -> R<()> {
-    c.batch_execute(q)
-        .await
-        .map_err(|e| format!("{what}: SQL failed: {e}\n  statement: {}", truncate(q, 300)))
+    c.batch_execute(q).await.map_err(|e| {
+        format!(
+            "{what}: SQL failed: {}\n  statement: {}",
+            pg_err(&e),
+            truncate(q, 300)
+        )
+    })
 }
 
 async fn sql_text(c: &tokio_postgres::Client, what: &str, q: &str) -> R<String> {
     let row = c
         .query_one(q, &[])
         .await
-        .map_err(|e| format!("{what}: SQL failed: {e}\n  statement: {q}"))?;
+        .map_err(|e| format!("{what}: SQL failed: {}\n  statement: {q}", pg_err(&e)))?;
     row.try_get::<_, String>(0)
         .map_err(|e| format!("{what}: reading result of {q}: {e}"))
 }
@@ -823,7 +843,13 @@ async fn fresh_db(ctx: &Ctx, db: &str) -> R<String> {
     sql(
         &ctx.admin,
         "fresh database",
-        &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE); CREATE DATABASE {db}"),
+        &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"),
+    )
+    .await?;
+    sql(
+        &ctx.admin,
+        "fresh database",
+        &format!("CREATE DATABASE {db}"),
     )
     .await?;
     let url = ctx.stack.db_url(db)?;
@@ -860,11 +886,11 @@ async fn drop_db(ctx: &Ctx, db: &str) -> R<()> {
             Err(e) if tries < 50 => {
                 tries += 1;
                 if tries == 50 {
-                    return Err(format!("drop slots of {db}: {e}"));
+                    return Err(format!("drop slots of {db}: {}", pg_err(&e)));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Err(e) => return Err(format!("drop slots of {db}: {e}")),
+            Err(e) => return Err(format!("drop slots of {db}: {}", pg_err(&e))),
         }
     }
     drop(c);
@@ -1179,7 +1205,7 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
             let st = c
                 .prepare("SELECT outbox.emit_bytes($1::text, $2::bytea)::text")
                 .await
-                .map_err(|e| format!("[s4] prepare: {e}"))?;
+                .map_err(|e| format!("[s4] prepare: {}", pg_err(&e)))?;
             let payload = vec![b'x'; 256];
             let topic = "bench.s4";
             let mut sent = 0u64;
@@ -1192,7 +1218,7 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
                 while sent < due {
                     c.query_one(&st, &[&topic, &payload])
                         .await
-                        .map_err(|e| format!("[s4] emit: {e}"))?;
+                        .map_err(|e| format!("[s4] emit: {}", pg_err(&e)))?;
                     sent += 1;
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
@@ -1383,7 +1409,9 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     let sz = sizes(args.quick);
     let log_dir = root().join("target/bench");
     fs::create_dir_all(&log_dir).map_err(|e| format!("create {}: {e}", log_dir.display()))?;
-    build_pgoutbox()?;
+    if std::env::var_os("PGOUTBOX_BENCH_SKIP_BUILD").is_none() {
+        build_pgoutbox()?;
+    }
     let stamp = sh("date", &["-u", "+%Y%m%dT%H%M%SZ"]);
     let dir = PathBuf::from(format!("/tmp/pgoutbox-bench-{}", std::process::id()));
     eprintln!("bench: starting the stack in {}", dir.display());

@@ -59,6 +59,21 @@ pub fn describe_target(config: &tokio_postgres::Config) -> String {
     )
 }
 
+/// Whether a publication of this name exists in the connected database.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn publication_exists(client: &Client, publication: &str) -> Result<bool, Error> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the publication", e))?
+        .is_some())
+}
+
 /// Fails unless `wal_level = logical`.
 ///
 /// # Errors
@@ -122,14 +137,7 @@ pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<Set
         .batch_execute(OUTBOX_SQL)
         .await
         .map_err(|e| Error::sql("installing sql/outbox.sql", e))?;
-    let publication_created = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(|e| Error::sql("looking up the publication", e))?
-        .is_none();
+    let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client
             .batch_execute(&format!("CREATE PUBLICATION \"{publication}\""))
@@ -283,14 +291,7 @@ pub async fn preflight(
             confirmed_flush_lsn: status.confirmed_flush_lsn.clone().unwrap_or_default(),
         });
     }
-    let exists = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(|e| Error::sql("looking up the publication", e))?
-        .is_some();
+    let exists = publication_exists(client, publication).await?;
     if !exists {
         return Err(Error::Precondition(format!(
             "publication {publication:?} does not exist in this database; run `pgoutbox setup --publication {publication}` or fix --publication"
@@ -385,14 +386,7 @@ pub async fn teardown(
             .await
             .map_err(|e| Error::sql(format!("dropping slot {slot:?}"), e))?;
     }
-    let publication_dropped = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(|e| Error::sql("looking up the publication", e))?
-        .is_some();
+    let publication_dropped = publication_exists(client, publication).await?;
     if publication_dropped {
         client
             .batch_execute(&format!("DROP PUBLICATION IF EXISTS \"{publication}\""))
