@@ -52,13 +52,15 @@ const PGOUTBOX_WINDOW: usize = 10_000;
 /// Windows tried for the broker ceiling; the best one counts.
 const BROKER_WINDOWS: [usize; 2] = [10_000, 1_000];
 /// The broker ceiling publishes at most this many messages (its rate is flat well before).
-const BROKER_CAP: u64 = 250_000;
+const BROKER_CAP: u64 = 200_000;
 /// Publish futures first-polled together by the bare publisher.
 const PIPELINE: usize = 128;
 /// Parallel producer connections that write a backlog.
 const EMIT_CONNECTIONS: u64 = 2;
 /// Producer connections for the steady-state scenario.
 const LATENCY_PRODUCERS: usize = 4;
+/// `synchronous_commit` of the steady-state producers (see [`latency_case`]).
+const PRODUCER_SYNC_COMMIT: &str = "on";
 const SLOT: &str = "pgoutbox_bench";
 const TWIN: &str = "pgoutbox_bench_twin";
 const PUBLICATION: &str = "pgoutbox_bench";
@@ -172,7 +174,7 @@ fn sizes(quick: bool) -> Sizes {
         Sizes {
             s1_n: 1_000_000,
             s2_n: 100_000,
-            s3_bytes: 32 << 20,
+            s3_bytes: 16 << 20,
             s3_min_count: 256,
             s4_secs: 30,
         }
@@ -260,7 +262,9 @@ impl Stack {
             .arg("stop")
             .arg(&self.dir)
             .status();
-        if !matches!(st, Ok(s) if s.success()) {
+        if matches!(st, Ok(s) if s.success()) {
+            let _ = fs::remove_dir_all(&self.dir);
+        } else {
             eprintln!(
                 "bench: WARNING: `bash deploy/stack.sh stop {}` failed: {st:?}",
                 self.dir.display()
@@ -1079,6 +1083,7 @@ struct LatencyRun {
     rate_source: String,
     duration_s: u64,
     producers: usize,
+    producer_synchronous_commit: String,
     sent: u64,
     received: u64,
     achieved_msgs_per_s: f64,
@@ -1202,6 +1207,15 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             let c = pg(&url, "[s4] producer").await?;
+            // The stack runs with synchronous_commit=off, where a commit reaches the
+            // walsender only when the WAL writer flushes (wal_writer_delay, 200 ms): that
+            // would measure the WAL writer, not pgoutbox. Producers commit synchronously.
+            sql(
+                &c,
+                "[s4] producer",
+                &format!("SET synchronous_commit = {PRODUCER_SYNC_COMMIT}"),
+            )
+            .await?;
             let st = c
                 .prepare("SELECT outbox.emit_bytes($1::text, $2::bytea)::text")
                 .await
@@ -1252,6 +1266,7 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         rate_source: rate_source.to_string(),
         duration_s: dur,
         producers: LATENCY_PRODUCERS,
+        producer_synchronous_commit: PRODUCER_SYNC_COMMIT.to_string(),
         sent,
         received: lat.len() as u64,
         achieved_msgs_per_s: sent as f64 / produce_s,
@@ -1497,13 +1512,24 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
 
     let t_all = Instant::now();
     let mut drains: Vec<DrainRun> = Vec::new();
+    let path = log_dir.join(format!("results-{stamp}.json"));
+    // After every case: the table so far on stderr, the raw figures so far in the JSON file.
+    let progress = |drains: &[DrainRun]| {
+        eprintln!("bench: results so far:\n{}", table(drains));
+        let partial = json!({"complete": false, "machine": machine, "drains": drains});
+        if let Ok(text) = serde_json::to_string_pretty(&partial) {
+            let _ = fs::write(&path, text);
+        }
+    };
     let has = |s: u32| args.scenarios.contains(&s);
     for run in 1..=args.runs {
         if has(1) {
             drains.push(drain_case(&ctx, "s1", run, sz.s1_n, 256, 1000).await?);
+            progress(&drains);
         }
         if has(2) {
             drains.push(drain_case(&ctx, "s2", run, sz.s2_n, 256, 1).await?);
+            progress(&drains);
         }
         if has(3) {
             for size in [64usize, 1024, 16 << 10, 256 << 10] {
@@ -1511,6 +1537,7 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
                 let per_tx = ((1u64 << 20) / size as u64).clamp(1, 1000);
                 let sc = format!("s3_{size}");
                 drains.push(drain_case(&ctx, &sc, run, n, size, per_tx).await?);
+                progress(&drains);
             }
         }
     }
@@ -1578,11 +1605,12 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     if let Some(l) = &latency {
         let _ = writeln!(
             md,
-            "\nSteady-state latency (commit → consumer receive), {} producers, one message per \
-             transaction, 256 B, target {:.0} msg/s ({}), achieved {:.0} msg/s for {} s, {} \
+            "\nSteady-state latency (commit → consumer receive), {} producers \
+             (synchronous_commit={}), one message per transaction, 256 B, target {:.0} msg/s ({}), achieved {:.0} msg/s for {} s, {} \
              messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB |\n\
              |---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} |",
             l.producers,
+            l.producer_synchronous_commit,
             l.target_msgs_per_s,
             l.rate_source,
             l.achieved_msgs_per_s,
@@ -1608,10 +1636,10 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             bad.join("; ")
         );
     }
-    let path = log_dir.join(format!("results-{stamp}.json"));
     let _ = writeln!(md, "\nRaw figures: {}", path.display());
     println!("{md}");
     let results = json!({
+        "complete": true,
         "mode": if args.quick { "quick" } else { "full" },
         "runs": args.runs,
         "scenarios": args.scenarios,
@@ -1651,9 +1679,15 @@ fn main() {
     };
     let stack: Arc<Mutex<Option<Stack>>> = Arc::new(Mutex::new(None));
     let result = rt.block_on(async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(e) => return Err(format!("install SIGTERM handler: {e}")),
+            };
         tokio::select! {
             r = bench(args, stack.clone()) => r,
-            _ = tokio::signal::ctrl_c() => Err("interrupted (ctrl-c)".to_string()),
+            _ = tokio::signal::ctrl_c() => Err("interrupted (SIGINT)".to_string()),
+            _ = term.recv() => Err("interrupted (SIGTERM)".to_string()),
         }
     });
     kill_registered();

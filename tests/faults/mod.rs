@@ -173,13 +173,32 @@ async fn postgres_restart_and_cut_connections_are_survived() {
             );
         }
     };
+    // Each fault must hit a live session (not one still backing off from the last fault), so
+    // wait for the next "streaming" line and some traffic in between.
+    let sessions = |n: usize| {
+        let streamer = &streamer;
+        async move {
+            assert!(
+                support::wait_until(scaled(Duration::from_secs(60)), || async {
+                    streamer.log_count("pgoutbox::pipeline: streaming") >= n
+                })
+                .await,
+                "session {n} started:\n{}",
+                streamer.log()
+            );
+        }
+    };
+    sessions(1).await;
     wait_more(200).await;
     amqp_proxy.cut();
+    sessions(2).await;
     wait_more(200).await;
     pg_proxy.cut();
+    sessions(3).await;
     wait_more(200).await;
     pg.stop_fast();
     pg.start();
+    sessions(4).await;
     wait_more(300).await;
     stop.store(true, Ordering::SeqCst);
     let committed = producer.await.unwrap();
