@@ -174,8 +174,8 @@ fn sizes(quick: bool) -> Sizes {
         Sizes {
             s1_n: 1_000_000,
             s2_n: 100_000,
-            s3_bytes: 16 << 20,
-            s3_min_count: 256,
+            s3_bytes: 32 << 20,
+            s3_min_count: 512,
             s4_secs: 30,
         }
     }

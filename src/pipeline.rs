@@ -549,14 +549,26 @@ impl Core {
         Ok(())
     }
 
-    fn publish(&mut self, seq: u64, publisher: &mut Publisher<u64>) -> Result<(), Error> {
+    /// Publishes (again) the in-flight message `seq`; `env` is its decoded envelope when the
+    /// caller has it (first attempt), else it is decoded again from the kept content.
+    fn publish(
+        &mut self,
+        seq: u64,
+        env: Option<envelope::Envelope>,
+        publisher: &mut Publisher<u64>,
+    ) -> Result<(), Error> {
         let Some(m) = self.inflight.get_mut(&seq) else {
             return Ok(());
         };
         m.attempts += 1;
+        let env = match env {
+            Some(env) => env,
+            None => {
+                envelope::decode(m.content.clone()).map_err(|e| Error::Stream(e.to_string()))?
+            }
+        };
         let (routing_key, body, properties) =
-            build_message(m.lsn, m.commit_lsn, m.commit_time_us, m.content.clone())
-                .map_err(Error::Stream)?;
+            build_message(m.lsn, m.commit_lsn, m.commit_time_us, env).map_err(Error::Stream)?;
         publisher.publish(OutboundMessage {
             tag: seq,
             routing_key,
@@ -575,7 +587,7 @@ impl Core {
                 break;
             }
             self.retries.pop();
-            self.publish(seq, publisher)?;
+            self.publish(seq, None, publisher)?;
         }
         Ok(())
     }
@@ -855,18 +867,21 @@ impl Core {
                         )
                         .await;
                 }
-                if let Err(reason) = envelope::decode(m.content.clone()) {
-                    let error = format!("undecodable outbox message (poison): {reason}");
-                    return self
-                        .dead_letter_unpublished(
-                            m.lsn,
-                            Some(commit_lsn),
-                            &m.content,
-                            "poison",
-                            &error,
-                        )
-                        .await;
-                }
+                let env = match envelope::decode(m.content.clone()) {
+                    Ok(env) => env,
+                    Err(reason) => {
+                        let error = format!("undecodable outbox message (poison): {reason}");
+                        return self
+                            .dead_letter_unpublished(
+                                m.lsn,
+                                Some(commit_lsn),
+                                &m.content,
+                                "poison",
+                                &error,
+                            )
+                            .await;
+                    }
+                };
                 let txn = self
                     .wm
                     .add_message()
@@ -888,7 +903,7 @@ impl Core {
                         first_error: None,
                     },
                 );
-                self.publish(seq, publisher)?;
+                self.publish(seq, Some(env), publisher)?;
             }
             LogicalMessage::Message(_) | LogicalMessage::Other { .. } => {}
         }
@@ -901,9 +916,8 @@ fn build_message(
     lsn: Lsn,
     commit_lsn: Lsn,
     commit_time_us: i64,
-    content: Bytes,
+    env: envelope::Envelope,
 ) -> Result<(ShortString, Bytes, BasicProperties), String> {
-    let env = envelope::decode(content).map_err(|e| e.to_string())?;
     let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
     let message_id = ShortString::try_new(env.message_id).map_err(|e| e.to_string())?;
     let content_type = ShortString::try_new(env.content_type).map_err(|e| e.to_string())?;
