@@ -446,13 +446,13 @@ async fn case_c2_broker_connections_closed_then_crash() {
     let rmq = RabbitMq::start_private();
     let ob = Outbox::new(pg, &rmq.url(), "case_c2").await;
     let streamer = ob.run(&["--max-in-flight", "100"]);
-    // 1,000 messages, one per transaction, at about 400/s, recording each message's LSN
+    // 3,000 messages, one per transaction, at about 400/s, recording each message's LSN
     // (for a one-message transaction: where its commit record starts).
     let url = ob.url();
     let producer = tokio::spawn(async move {
         let client = Postgres::client_url(&url).await.unwrap();
         let mut lsns = Vec::new();
-        for n in 1..=1000i64 {
+        for n in 1..=3000i64 {
             let row = client
                 .query_one(
                     "SELECT (outbox.emit('c2', jsonb_build_object('n', $1::bigint), '{}', 'c2-' || $1::bigint) - '0/0'::pg_lsn)::text",
@@ -481,7 +481,7 @@ async fn case_c2_broker_connections_closed_then_crash() {
     let at_crash = ob.confirmed_flush();
     let lsns = producer.await.unwrap();
     let before = ids(&ob.drain(1, scaled(Duration::from_secs(5))).await);
-    assert!(before.len() < 1000, "the crash came mid-stream");
+    assert!(before.len() < 3000, "the crash came mid-stream");
     // Every transaction the slot is past was in the queue at the crash.
     for (id, l) in &lsns {
         if *l < at_crash {
@@ -490,11 +490,11 @@ async fn case_c2_broker_connections_closed_then_crash() {
     }
     let again = ob.run(&[]);
     let after = ob
-        .drain(1000 - before.len(), scaled(Duration::from_secs(30)))
+        .drain(3000 - before.len(), scaled(Duration::from_secs(30)))
         .await;
     let mut all = before;
     all.extend(ids(&after));
-    for n in 1..=1000 {
+    for n in 1..=3000 {
         assert!(
             all.contains(&format!("c2-{n}")),
             "c2-{n} missing\n{}",
