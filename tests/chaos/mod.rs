@@ -229,6 +229,22 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
         p.await.unwrap();
     }
 
+    // Every producer has stopped: everything committed lies below the current WAL position.
+    // Wait until the slot is acknowledged past it; from then on every committed message must
+    // already be in the queue (nothing at or below an acknowledged LSN may be missing), so
+    // the drain below is a proof, not a race with a streamer still in reconnect backoff.
+    let end_lsn = support::lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    let caught_up = support::wait_until(scaled(Duration::from_secs(120)), || async {
+        ob.confirmed_flush() >= end_lsn
+    })
+    .await;
+    assert!(
+        caught_up,
+        "the slot never reached the end of the producers' WAL (seed {seed}): confirmed_flush {:#x} < {end_lsn:#x}\n{logs}{}",
+        ob.confirmed_flush(),
+        streamer.log()
+    );
+
     // The audit: what committed versus what arrived.
     let audit: HashMap<String, (i32, i32, i32, Vec<u8>)> = {
         let client = Postgres::client_url(&ob.url()).await.unwrap();

@@ -167,3 +167,31 @@ async fn harness_helpers() {
     assert!(support::wait_until(Duration::from_secs(1), || async { true }).await);
     assert!(!support::wait_until(Duration::from_millis(200), || async { false }).await);
 }
+
+/// The chaos audit once stopped draining early: redeliveries counted towards the expected
+/// total, so with duplicates in the queue and the streamer still in reconnect backoff the
+/// drain returned before the last distinct messages arrived, and the audit reported them
+/// lost. Duplicates must not count: here two copies of `a` arrive at once and `b` only after
+/// a pause longer than the drain's grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_counts_distinct_message_ids_not_redeliveries() {
+    let rmq = RabbitMq::shared();
+    let url = rmq.url();
+    let exchange = support::unique("smoke_dup_x");
+    let queue = support::unique("smoke_dup_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "#").await;
+    let with_id = |id: &str| BasicProperties::default().with_message_id(id.into());
+    support::publish(&url, &exchange, "k", b"a", with_id("a")).await;
+    support::publish(&url, &exchange, "k", b"a", with_id("a")).await;
+    let late = {
+        let (url, exchange) = (url.clone(), exchange.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(support::scaled(Duration::from_secs(2))).await;
+            support::publish(&url, &exchange, "k", b"b", with_id("b")).await;
+        })
+    };
+    let got = support::drain_queue(&url, &queue, 2, support::scaled(Duration::from_secs(20))).await;
+    late.await.unwrap();
+    let ids: Vec<_> = got.iter().filter_map(|m| m.message_id.as_deref()).collect();
+    assert_eq!(ids, ["a", "a", "b"], "{got:?}");
+}

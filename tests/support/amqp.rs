@@ -170,10 +170,13 @@ pub async fn purge_queue(amqp_url: &str, queue: &str) -> u32 {
     n
 }
 
-/// Consume (basic.get loop, acking each message) until `expected` messages
-/// arrived — then keep polling for a short grace period (300 ms × scale) to
-/// catch unexpected extras — or until `idle_timeout` passes without any new
-/// message. Returns everything received, in queue order.
+/// Consume (basic.get loop, acking each message) until `expected` distinct
+/// messages (by `message_id`; a message without one counts on its own) arrived
+/// — then keep polling for a short grace period (300 ms × scale) to catch
+/// unexpected extras — or until `idle_timeout` passes without any new message.
+/// Duplicates never count towards `expected`: a run with redeliveries must not
+/// stop before the last distinct message arrived. Returns everything received,
+/// duplicates included, in queue order.
 pub async fn drain_queue(
     amqp_url: &str,
     queue: &str,
@@ -183,7 +186,9 @@ pub async fn drain_queue(
     let grace = super::scaled(Duration::from_millis(300));
     let conn = amqp_connect(amqp_url).await;
     let ch = conn.create_channel().await.expect("channel");
-    let mut got = Vec::new();
+    let mut got: Vec<Received> = Vec::new();
+    let mut distinct = std::collections::HashSet::new();
+    let mut anonymous = 0usize;
     let mut last_new = Instant::now();
     loop {
         let msg = ch
@@ -194,18 +199,25 @@ pub async fn drain_queue(
             Some(m) => {
                 let d = m.delivery;
                 d.ack(BasicAckOptions::default()).await.expect("ack");
-                got.push(to_received(
+                let m = to_received(
                     d.exchange.as_str(),
                     d.routing_key.as_str(),
                     d.redelivered,
                     &d.properties,
                     d.data,
-                ));
+                );
+                match &m.message_id {
+                    Some(id) => {
+                        distinct.insert(id.clone());
+                    }
+                    None => anonymous += 1,
+                }
+                got.push(m);
                 last_new = Instant::now();
             }
             None => {
                 let idle = last_new.elapsed();
-                if got.len() >= expected && idle >= grace {
+                if distinct.len() + anonymous >= expected && idle >= grace {
                     break;
                 }
                 if idle >= idle_timeout {
