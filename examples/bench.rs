@@ -1,7 +1,7 @@
 //! The pgoutbox benchmark: throughput, ceilings and latency on a throwaway local stack.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--quick] [--runs N] [--scenarios 1,2,3,4]
+//! cargo run --release --example bench -- [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]
 //! bash deploy/bench.sh [same arguments]        # installs packages, builds, runs this
 //! ```
 //!
@@ -108,12 +108,15 @@ struct Args {
     quick: bool,
     runs: u32,
     scenarios: Vec<u32>,
+    /// Scenario 4's producer rate (msg/s) instead of half the scenario-2 median.
+    s4_rate: Option<f64>,
 }
 
 fn parse_args() -> R<Args> {
     let mut quick = false;
     let mut runs = None;
     let mut scenarios = vec![1, 2, 3, 4];
+    let mut s4_rate = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -135,9 +138,18 @@ fn parse_args() -> R<Args> {
                     })
                     .collect::<R<Vec<_>>>()?;
             }
+            "--s4-rate" => {
+                let v = it.next().ok_or("--s4-rate needs messages per second")?;
+                s4_rate = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|r| *r > 0.0)
+                        .ok_or(format!("--s4-rate {v}: expected a positive number"))?,
+                );
+            }
             "-h" | "--help" => {
                 println!(
-                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4]\n\
+                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]\n\
                      full: ~15 min on 2 cores; --quick: ~2-3 min (1 run, small counts)"
                 );
                 std::process::exit(0);
@@ -150,6 +162,7 @@ fn parse_args() -> R<Args> {
         quick,
         runs,
         scenarios,
+        s4_rate,
     })
 }
 
@@ -1093,7 +1106,24 @@ struct LatencyRun {
     max_ms: f64,
     cpu_us_per_msg: f64,
     peak_rss_mb: f64,
+    /// Busy share of all the machine's CPUs while the producers ran (0..1, /proc/stat).
+    machine_cpu_busy: f64,
     exit_status: String,
+}
+
+/// (busy, total) jiffies of all CPUs from the `cpu` line of /proc/stat; idle and iowait
+/// count as not busy.
+fn machine_jiffies() -> Option<(u64, u64)> {
+    let stat = fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3)? + v.get(4)?;
+    Some((total - idle, total))
 }
 
 fn pct(sorted: &[i64], p: f64) -> f64 {
@@ -1200,6 +1230,7 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
 
     // Producers: one message per transaction, paced per millisecond.
     let per = rate / LATENCY_PRODUCERS as f64;
+    let jiffies0 = machine_jiffies();
     let start = Instant::now();
     let end = start + Duration::from_secs(dur);
     let mut tasks = Vec::new();
@@ -1245,6 +1276,10 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         sent += t.await.map_err(|e| format!("[s4] producer task: {e}"))??;
     }
     let produce_s = secs(start.elapsed());
+    let machine_cpu_busy = match (jiffies0, machine_jiffies()) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
+        _ => f64::NAN,
+    };
     done_tx.send(sent).ok();
     let lat = consumer_task
         .await
@@ -1279,6 +1314,7 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
             .unwrap_or(f64::NAN),
         cpu_us_per_msg: cpu * 1e6 / sent.max(1) as f64,
         peak_rss_mb: rss,
+        machine_cpu_busy,
         exit_status,
     })
 }
@@ -1548,7 +1584,9 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             .filter(|d| d.scenario == "s2")
             .map(|d| d.msgs_per_s)
             .collect();
-        let (rate, source) = if args.quick {
+        let (rate, source) = if let Some(r) = args.s4_rate {
+            (r, "fixed (--s4-rate)".to_string())
+        } else if args.quick {
             (2000.0, "fixed (--quick)".to_string())
         } else if s2.is_empty() {
             (5000.0, "fixed 5000 (scenario 2 not run)".to_string())
@@ -1607,8 +1645,8 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             md,
             "\nSteady-state latency (commit → consumer receive), {} producers \
              (synchronous_commit={}), one message per transaction, 256 B, target {:.0} msg/s ({}), achieved {:.0} msg/s for {} s, {} \
-             messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB |\n\
-             |---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} |",
+             messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB | machine CPU busy |\n\
+             |---|---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% |",
             l.producers,
             l.producer_synchronous_commit,
             l.target_msgs_per_s,
@@ -1621,7 +1659,8 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             l.p99_ms,
             l.max_ms,
             l.cpu_us_per_msg,
-            l.peak_rss_mb
+            l.peak_rss_mb,
+            l.machine_cpu_busy * 100.0
         );
     }
     let bad: Vec<String> = drains

@@ -20,7 +20,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    // One thread runs the whole pipeline (replication reader, core, publish and confirm
+    // tasks): handing each message between worker threads cost more CPU than the work
+    // itself. lapin runs its socket I/O on a thread of its own either way.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
