@@ -257,6 +257,36 @@ impl Stack {
         Ok(u.to_string())
     }
 
+    /// CPU seconds of the stack's Postgres cluster: the postmaster and every process it
+    /// forked (backends, walsenders, background workers) that is alive now.
+    fn postgres_cpu_secs(&self, tck: f64) -> Option<f64> {
+        let pm = fs::read_to_string(self.dir.join("pg/data/postmaster.pid")).ok()?;
+        let pm: u32 = pm.lines().next()?.trim().parse().ok()?;
+        // The postmaster's own CPU plus that of its children it has already reaped
+        // (cutime + cstime), plus the live children below.
+        let mut total = cpu_secs(&pm.to_string(), tck)? + reaped_children_cpu_secs(pm, tck)?;
+        for entry in fs::read_dir("/proc").ok()?.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            else {
+                continue;
+            };
+            let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 2..].split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(pm) {
+                total += cpu_secs(pid, tck).unwrap_or(0.0);
+            }
+        }
+        Some(total)
+    }
+
     fn rabbit_pid(&self) -> Option<u32> {
         fs::read_to_string(self.dir.join("rabbit/pid"))
             .ok()
@@ -313,6 +343,17 @@ fn cpu_secs(pid: &str, tck: f64) -> Option<f64> {
     let ut: f64 = f.get(11)?.parse().ok()?;
     let st: f64 = f.get(12)?.parse().ok()?;
     Some((ut + st) / tck)
+}
+
+/// cutime + cstime of a process: CPU of its children that have exited and been waited
+/// for, in seconds.
+fn reaped_children_cpu_secs(pid: u32, tck: f64) -> Option<f64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let cut: f64 = f.get(13)?.parse().ok()?;
+    let cst: f64 = f.get(14)?.parse().ok()?;
+    Some((cut + cst) / tck)
 }
 
 fn vm_hwm_mb(pid: u32) -> Option<f64> {
@@ -1108,6 +1149,12 @@ struct LatencyRun {
     peak_rss_mb: f64,
     /// Busy share of all the machine's CPUs while the producers ran (0..1, /proc/stat).
     machine_cpu_busy: f64,
+    /// CPU of the Postgres cluster (producers' backends, walsender, ...) per message (µs).
+    postgres_cpu_us_per_msg: f64,
+    /// CPU of RabbitMQ per message (µs).
+    rabbit_cpu_us_per_msg: f64,
+    /// CPU of the bench process (producer clients and the consumer) per message (µs).
+    bench_cpu_us_per_msg: f64,
     exit_status: String,
 }
 
@@ -1231,6 +1278,14 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
     // Producers: one message per transaction, paced per millisecond.
     let per = rate / LATENCY_PRODUCERS as f64;
     let jiffies0 = machine_jiffies();
+    let rabbit_pid = ctx.stack.rabbit_pid().map(|p| p.to_string());
+    let cpu_of = |pid: &Option<String>| pid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let self_pid = Some(std::process::id().to_string());
+    let (pg0, rabbit0, bench0) = (
+        ctx.stack.postgres_cpu_secs(ctx.tck),
+        cpu_of(&rabbit_pid),
+        cpu_of(&self_pid),
+    );
     let start = Instant::now();
     let end = start + Duration::from_secs(dur);
     let mut tasks = Vec::new();
@@ -1276,6 +1331,13 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         sent += t.await.map_err(|e| format!("[s4] producer task: {e}"))??;
     }
     let produce_s = secs(start.elapsed());
+    let per_msg = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => (b - a) * 1e6 / sent.max(1) as f64,
+        _ => f64::NAN,
+    };
+    let postgres_cpu_us_per_msg = per_msg(pg0, ctx.stack.postgres_cpu_secs(ctx.tck));
+    let rabbit_cpu_us_per_msg = per_msg(rabbit0, cpu_of(&rabbit_pid));
+    let bench_cpu_us_per_msg = per_msg(bench0, cpu_of(&self_pid));
     let machine_cpu_busy = match (jiffies0, machine_jiffies()) {
         (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) as f64 / (t1 - t0) as f64,
         _ => f64::NAN,
@@ -1315,6 +1377,9 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         cpu_us_per_msg: cpu * 1e6 / sent.max(1) as f64,
         peak_rss_mb: rss,
         machine_cpu_busy,
+        postgres_cpu_us_per_msg,
+        rabbit_cpu_us_per_msg,
+        bench_cpu_us_per_msg,
         exit_status,
     })
 }
@@ -1645,8 +1710,8 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             md,
             "\nSteady-state latency (commit → consumer receive), {} producers \
              (synchronous_commit={}), one message per transaction, 256 B, target {:.0} msg/s ({}), achieved {:.0} msg/s for {} s, {} \
-             messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB | machine CPU busy |\n\
-             |---|---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% |",
+             messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB | machine CPU busy | CPU µs/msg of Postgres / RabbitMQ / bench clients |\n\
+             |---|---|---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% | {:.0} / {:.0} / {:.0} |",
             l.producers,
             l.producer_synchronous_commit,
             l.target_msgs_per_s,
@@ -1660,7 +1725,10 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             l.max_ms,
             l.cpu_us_per_msg,
             l.peak_rss_mb,
-            l.machine_cpu_busy * 100.0
+            l.machine_cpu_busy * 100.0,
+            l.postgres_cpu_us_per_msg,
+            l.rabbit_cpu_us_per_msg,
+            l.bench_cpu_us_per_msg
         );
     }
     let bad: Vec<String> = drains

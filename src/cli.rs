@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::config::{
     RunConfig, UnroutablePolicy, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION,
-    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
 };
 
 /// Whether `teardown` may drop a slot that still holds unsent outbox messages.
@@ -207,6 +207,11 @@ pub struct RunArgs {
     /// Payloads larger than this many bytes are dead-lettered as too_large, never published.
     #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
+    /// Microseconds between two small reads of the replication stream: under a steady
+    /// trickle of transactions, one read (and one publish batch) per interval instead of
+    /// one per transaction. Adds at most this much latency; 0 reads every transaction at once.
+    #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64)]
+    pub read_coalesce_us: u64,
 }
 
 impl RunArgs {
@@ -236,6 +241,7 @@ impl RunArgs {
             max_message_bytes: self.max_message_bytes,
             failpoint: self.failpoint,
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
+            read_coalesce: Duration::from_micros(self.read_coalesce_us),
             instance_id,
         }
     }

@@ -32,6 +32,12 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// default; 16 MiB keeps one message within the default byte window).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
+/// Default `--read-coalesce-us`: 1 ms between small reads of the replication socket.
+pub const DEFAULT_READ_COALESCE: Duration = Duration::from_millis(1);
+
+/// Largest accepted `--read-coalesce-us`: 100 ms.
+pub const MAX_READ_COALESCE: Duration = Duration::from_millis(100);
+
 /// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
 /// is hard to hit from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +186,12 @@ pub struct RunConfig {
     pub failpoint: Option<Failpoint>,
     /// How long shutdown waits for outstanding confirms.
     pub shutdown_timeout: Duration,
+    /// Minimum time between two reads of the replication socket when the previous read was
+    /// small (ms-scale; zero reads as soon as bytes arrive). Bytes arriving on an idle stream
+    /// are read at once; under a steady trickle of small transactions they are read at most
+    /// once per interval, so one wake-up, one publish batch and one confirm batch cover
+    /// many transactions. Backlog reads (large) are never delayed.
+    pub read_coalesce: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
     pub instance_id: String,
 }
@@ -196,6 +208,7 @@ impl std::fmt::Debug for RunConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("slot_busy_timeout", &self.slot_busy_timeout)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("read_coalesce", &self.read_coalesce)
             .field("on_unroutable", &self.on_unroutable)
             .field("max_attempts", &self.max_attempts)
             .field("max_message_bytes", &self.max_message_bytes)
@@ -239,6 +252,16 @@ impl RunConfig {
                 setting: "--max-in-flight",
                 value: "0".into(),
                 rule: "must be at least 1".into(),
+            });
+        }
+        if self.read_coalesce > MAX_READ_COALESCE {
+            return Err(ValidationError {
+                setting: "--read-coalesce-us",
+                value: self.read_coalesce.as_micros().to_string(),
+                rule: format!(
+                    "must be at most {} (it delays every small read, and with it the replies to the server's keepalives)",
+                    MAX_READ_COALESCE.as_micros()
+                ),
             });
         }
         if self.max_attempts == 0 {

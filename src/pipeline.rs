@@ -235,6 +235,7 @@ async fn run_session(
         last_sent_flush: Lsn::ZERO,
         last_status_at: Instant::now(),
         next_periodic: Instant::now(),
+        next_read_at: Instant::now(),
         interval,
         bytes_in_flight: 0,
         current_txn: None,
@@ -387,6 +388,8 @@ struct Core {
     last_sent_flush: Lsn,
     last_status_at: Instant,
     next_periodic: Instant,
+    /// The next read of a trickling stream waits until then (see `RunConfig::read_coalesce`).
+    next_read_at: Instant,
     interval: Duration,
     bytes_in_flight: usize,
     /// Begin of the open transaction: (commit record LSN, commit time µs since Unix epoch).
@@ -497,9 +500,16 @@ impl Core {
                     self.publish_due_retries(publisher)?;
                 }
                 // PRIORITY 6: new WAL, guarded by the window. Cancel safety: read_buf.
-                read = self.stream.fill(), if streaming && room && !buffered => {
+                read = self.stream.fill_not_before(self.next_read_at), if streaming && room && !buffered => {
                     match read {
-                        Ok(_) => buffered = true,
+                        Ok(n) => {
+                            buffered = true;
+                            // A small read means the stream is trickling, not backlogged:
+                            // take the next one a little later, in one piece.
+                            if n < crate::replication::connect::READ_CHUNK / 2 {
+                                self.next_read_at = Instant::now() + self.config.read_coalesce;
+                            }
+                        }
                         Err(e) => drain = self.on_error(e.into())?,
                     }
                 }

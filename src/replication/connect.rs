@@ -21,8 +21,31 @@ use crate::replication::error::{Error, ServerError};
 use crate::replication::session::ReplicationStream;
 
 /// A byte stream to the server: TCP or a Unix-domain socket.
-pub(crate) trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
+pub(crate) trait Socket: AsyncRead + AsyncWrite + Unpin + Send {
+    /// Ready when the socket has bytes to read (or an error or EOF), without reading them.
+    fn poll_read_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>>;
+}
+
+impl Socket for TcpStream {
+    fn poll_read_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        TcpStream::poll_read_ready(self, cx)
+    }
+}
+
+impl Socket for UnixStream {
+    fn poll_read_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        UnixStream::poll_read_ready(self, cx)
+    }
+}
 
 /// How long connecting (TCP connect plus authentication) may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -102,6 +102,10 @@ async fn run_refuses_bad_settings_before_touching_anything() {
             vec!["--slot".into(), "Bad-Name".into()],
             "invalid setting --slot",
         ),
+        (
+            vec!["--read-coalesce-us".into(), "5000000".into()],
+            "invalid setting --read-coalesce-us = \"5000000\": must be at most 100000",
+        ),
     ];
     for (extra, expected) in cases {
         let mut args = vec![
