@@ -190,7 +190,7 @@ pub struct RunConfig {
     /// small (ms-scale; zero reads as soon as bytes arrive). Bytes arriving on an idle stream
     /// are read at once; under a steady trickle of small transactions they are read at most
     /// once per interval, so one wake-up, one publish batch and one confirm batch cover
-    /// many transactions. Backlog reads (large) are never delayed.
+    /// many transactions. Reads of 64 KiB or more (a backlog, big messages) are never delayed.
     pub read_coalesce: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
     pub instance_id: String,

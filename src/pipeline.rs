@@ -60,6 +60,9 @@ pub const HEADER_COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
 /// Frames handled per loop turn before confirms and timers get another look.
 const FRAME_BATCH: usize = 2048;
 
+/// A read of fewer bytes than this delays the next one by `RunConfig::read_coalesce`.
+const COALESCE_BELOW_BYTES: usize = 64 * 1024;
+
 /// What a run did, returned on a clean shutdown.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunSummary {
@@ -504,9 +507,11 @@ impl Core {
                     match read {
                         Ok(n) => {
                             buffered = true;
-                            // A small read means the stream is trickling, not backlogged:
-                            // take the next one a little later, in one piece.
-                            if n < crate::replication::connect::READ_CHUNK / 2 {
+                            // A small read means the stream is trickling: take the next
+                            // one a little later, in one piece. Large reads (a backlog, big
+                            // messages) are never delayed: a delay per read would cap the
+                            // stream at about one socket buffer per interval.
+                            if n < COALESCE_BELOW_BYTES {
                                 self.next_read_at = Instant::now() + self.config.read_coalesce;
                             }
                         }
