@@ -150,7 +150,7 @@ fn parse_args() -> R<Args> {
             "-h" | "--help" => {
                 println!(
                     "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]\n\
-                     full: ~15 min on 2 cores; --quick: ~2-3 min (1 run, small counts)"
+                     full: ~11 min on 2 cores; --quick: ~2-3 min (1 run, small counts)"
                 );
                 std::process::exit(0);
             }
