@@ -91,6 +91,14 @@ pub enum Error {
         /// What we were doing.
         context: &'static str,
     },
+    /// The server ended COPY BOTH with `CommandComplete` (or `ReadyForQuery`) instead of
+    /// `CopyDone`: a walsender does this when the server shuts down (fast or smart) and the
+    /// client has confirmed everything sent (PostgreSQL `WalSndDone`). Reconnecting is right.
+    #[error("the server ended the replication stream while {context} (it is shutting down or restarting)")]
+    StreamEnded {
+        /// What we were doing.
+        context: &'static str,
+    },
     /// The server answered with an `ErrorResponse`.
     #[error("the server refused {context}: {error}")]
     Server {
@@ -155,6 +163,9 @@ impl Error {
 
     /// True when the connection broke (I/O error or EOF): reconnecting may succeed.
     pub fn is_connection_loss(&self) -> bool {
-        matches!(self, Error::Io { .. } | Error::Closed { .. })
+        matches!(
+            self,
+            Error::Io { .. } | Error::Closed { .. } | Error::StreamEnded { .. }
+        )
     }
 }

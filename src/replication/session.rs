@@ -101,7 +101,8 @@ impl ReplicationStream {
     /// Parses the next complete frame from the buffer, without I/O.
     ///
     /// Returns `Ok(None)` when more bytes are needed. CopyDone ends the stream with
-    /// [`Error::Closed`]; an ErrorResponse becomes [`Error::Server`]; notices are skipped.
+    /// [`Error::Closed`], CommandComplete or ReadyForQuery (a server shutting down) with
+    /// [`Error::StreamEnded`]; an ErrorResponse becomes [`Error::Server`]; notices are skipped.
     ///
     /// # Errors
     /// [`Error::Server`], [`Error::Closed`], [`Error::Protocol`] for an unexpected or
@@ -109,6 +110,7 @@ impl ReplicationStream {
     pub fn next_buffered(&mut self) -> Result<Option<ReplicationMessage>, Error> {
         const CTX: &str = "reading the replication stream";
         loop {
+            let tag = self.read_buf.first().copied();
             let msg = backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
                 context: CTX,
                 detail: e.to_string(),
@@ -125,12 +127,19 @@ impl ReplicationStream {
                     })
                 }
                 Some(backend::Message::CopyDone) => return Err(Error::Closed { context: CTX }),
+                Some(backend::Message::CommandComplete(_))
+                | Some(backend::Message::ReadyForQuery(_)) => {
+                    return Err(Error::StreamEnded { context: CTX })
+                }
                 Some(backend::Message::NoticeResponse(_))
                 | Some(backend::Message::ParameterStatus(_)) => continue,
                 Some(_) => {
                     return Err(Error::Protocol {
                         context: CTX,
-                        detail: "unexpected message in CopyBoth mode".into(),
+                        detail: format!(
+                            "unexpected message {:?} in CopyBoth mode",
+                            tag.map(char::from).unwrap_or('?')
+                        ),
                     })
                 }
             }
@@ -168,5 +177,44 @@ impl ReplicationStream {
         postgres_protocol::message::frontend::terminate(&mut buf);
         let _ = self.socket.write_all(&buf).await;
         let _ = self.socket.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream over one end of a Unix socket pair whose read buffer already holds `bytes`.
+    fn stream_with(bytes: &[u8]) -> (ReplicationStream, tokio::net::UnixStream) {
+        let (a, b) = tokio::net::UnixStream::pair().expect("socket pair");
+        (
+            ReplicationStream::new(Box::new(a), BytesMut::from(bytes)),
+            b,
+        )
+    }
+
+    /// CommandComplete "COPY 0", as a walsender sends it from `WalSndDone` at shutdown.
+    fn command_complete() -> Vec<u8> {
+        let mut frame = vec![b'C', 0, 0, 0, 11];
+        frame.extend_from_slice(b"COPY 0\0");
+        frame
+    }
+
+    #[tokio::test]
+    async fn command_complete_in_copy_both_is_a_server_shutdown_not_a_protocol_violation() {
+        let (mut s, _peer) = stream_with(&command_complete());
+        let e = s.next_buffered().expect_err("stream ended");
+        assert!(matches!(e, Error::StreamEnded { .. }), "{e:?}");
+        assert!(e.is_connection_loss(), "reconnecting is right");
+        assert!(e.to_string().contains("shutting down or restarting"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn an_unexpected_message_is_named_by_its_tag() {
+        // ParseComplete ('1'), which never belongs in COPY BOTH.
+        let (mut s, _peer) = stream_with(&[b'1', 0, 0, 0, 4]);
+        let e = s.next_buffered().expect_err("protocol violation");
+        assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+        assert!(e.to_string().contains("'1'"), "{e}");
     }
 }
