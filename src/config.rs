@@ -72,14 +72,26 @@ pub enum UnroutablePolicy {
     /// Retry forever, holding the watermark, logging each attempt.
     Block,
 }
+/// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper
+/// case with `-` as `_` (the rule every option of the CLI follows).
+pub fn env_of(flag: &str) -> Option<String> {
+    let name = flag.strip_prefix("--")?;
+    Some(format!(
+        "PGOUTBOX_{}",
+        name.to_uppercase().replace('-', "_")
+    ))
+}
+
 /// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The logical decoding message prefix of our envelopes.
 pub const MESSAGE_PREFIX: &str = "pgoutbox";
 
-/// A setting that failed validation.
+/// A setting that failed validation. Displays as
+/// `invalid setting --flag (PGOUTBOX_FLAG) = "value": rule`, naming the environment variable
+/// too, since an operator may have set either.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid setting {setting} = {value:?}: {rule}")]
+#[error("invalid setting {setting}{} = {value:?}: {rule}", env_of(setting).map(|e| format!(" ({e})")).unwrap_or_default())]
 pub struct ValidationError {
     /// The setting's name as the operator writes it, e.g. `--slot`.
     pub setting: &'static str,
@@ -293,6 +305,38 @@ mod tests {
             let e = validate_identifier("--slot", bad).unwrap_err();
             assert_eq!(e.setting, "--slot");
         }
+    }
+
+    #[test]
+    fn validation_errors_name_the_flag_and_its_environment_variable() {
+        // The rule env_of relies on holds for every option of every subcommand.
+        use clap::CommandFactory;
+        let cli = crate::cli::Cli::command();
+        let mut checked = 0;
+        let mut stack: Vec<&clap::Command> = vec![&cli];
+        while let Some(cmd) = stack.pop() {
+            stack.extend(cmd.get_subcommands());
+            for arg in cmd.get_arguments() {
+                if let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) {
+                    assert_eq!(
+                        env_of(&format!("--{long}")).as_deref(),
+                        env.to_str(),
+                        "--{long}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 15, "checked {checked} options");
+        let e = ValidationError {
+            setting: "--read-coalesce-us",
+            value: "200000".into(),
+            rule: "must be at most 100000".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"200000\": must be at most 100000"
+        );
     }
 
     #[test]

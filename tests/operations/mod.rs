@@ -104,7 +104,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
         ),
         (
             vec!["--read-coalesce-us".into(), "5000000".into()],
-            "invalid setting --read-coalesce-us = \"5000000\": must be at most 100000",
+            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"5000000\": must be at most 100000",
         ),
     ];
     for (extra, expected) in cases {
