@@ -268,6 +268,27 @@ struct Pending<T> {
     match_key: String,
     confirm: Option<PublisherConfirm>,
     failure: Option<String>,
+    /// The confirm's result once seen (or the publish failure).
+    result: Option<Result<Confirmation, String>>,
+    /// Whether a return carried by `result` has been recorded.
+    return_recorded: bool,
+}
+
+impl<T> Pending<T> {
+    /// Polls the confirm once, without waiting; true when the result is known.
+    fn poll_ready(&mut self) -> bool {
+        if self.result.is_some() {
+            return true;
+        }
+        self.result = match &mut self.confirm {
+            Some(c) => c.now_or_never().map(|r| r.map_err(|e| e.to_string())),
+            None => Some(Err(self
+                .failure
+                .clone()
+                .unwrap_or_else(|| "no confirm".into()))),
+        };
+        self.result.is_some()
+    }
 }
 
 async fn publish_task<T: Send + 'static>(
@@ -310,12 +331,16 @@ async fn publish_task<T: Send + 'static>(
                     match_key,
                     confirm: Some(confirm),
                     failure: None,
+                    result: None,
+                    return_recorded: false,
                 },
                 Err(e) => Pending {
                     tag,
                     match_key,
                     confirm: None,
                     failure: Some(e.to_string()),
+                    result: None,
+                    return_recorded: false,
                 },
             };
             if confirm_tx.send(pending).is_err() {
@@ -355,59 +380,65 @@ async fn confirm_task<T: Send + 'static>(
             }
         }
         // Wait for the front confirm, taking new pendings meanwhile.
-        let mut incoming = None;
-        let front_ready = {
-            let front = queue.front_mut();
-            let fut = async {
-                match front {
-                    Some(Pending {
-                        confirm: Some(c), ..
-                    }) => Some(c.await),
-                    _ => None,
-                }
-            };
-            tokio::select! {
-                biased;
-                r = fut => Some(r),
-                p = rx.recv(), if input_open => {
-                    match p {
-                        Some(p) => incoming = Some(p),
-                        None => input_open = false,
+        let front_ready = match queue.front_mut() {
+            Some(front) if front.result.is_none() && front.confirm.is_some() => {
+                let mut incoming = None;
+                let ready = {
+                    let fut = async {
+                        match front.confirm.as_mut() {
+                            Some(c) => Some(c.await.map_err(|e| e.to_string())),
+                            None => None,
+                        }
+                    };
+                    tokio::select! {
+                        biased;
+                        r = fut => {
+                            front.result = r;
+                            true
+                        }
+                        p = rx.recv(), if input_open => {
+                            match p {
+                                Some(p) => incoming = Some(p),
+                                None => input_open = false,
+                            }
+                            false
+                        }
                     }
-                    None
+                };
+                if let Some(p) = incoming {
+                    queue.push_back(p);
                 }
+                ready
             }
+            Some(front) => front.poll_ready(),
+            None => false,
         };
-        if let Some(p) = incoming {
-            queue.push_back(p);
+        if !front_ready {
+            continue;
         }
-        let Some(first) = front_ready else { continue };
-        // Barrier: the first poll of wait_for_confirms takes lapin's acknowledgement lock,
-        // so the ack loop that resolved the front has finished resolving its whole range.
+        // The ready prefix as seen *before* the barrier: only these are classified now.
+        let mut ready = 1;
+        while ready < queue.len() && queue[ready].poll_ready() {
+            ready += 1;
+        }
+        // Barrier: the first poll of wait_for_confirms takes lapin's acknowledgement lock, so
+        // every ack loop that resolved one of those `ready` confirms has finished resolving
+        // its whole range, including the confirm that carries the range's return, which lapin
+        // hands to whichever confirm of the range it resolves first (hash order), possibly
+        // one past `ready`. Look further, to the first unresolved confirm, for such carriers.
         let _ = channel.wait_for_confirms().now_or_never();
-        let mut results: Vec<(Pending<T>, Result<Confirmation, String>)> = Vec::new();
-        if let Some(p) = queue.pop_front() {
-            let r = match (first, &p.failure) {
-                (Some(r), _) => r.map_err(|e| e.to_string()),
-                (None, Some(f)) => Err(f.clone()),
-                (None, None) => Err("no confirm".into()),
-            };
-            results.push((p, r));
+        let mut seen = ready;
+        while seen < queue.len() && queue[seen].poll_ready() {
+            seen += 1;
         }
-        while let Some(front) = queue.front_mut() {
-            let r = match &mut front.confirm {
-                Some(c) => match c.now_or_never() {
-                    Some(r) => r.map_err(|e| e.to_string()),
-                    None => break,
-                },
-                None => Err(front.failure.clone().unwrap_or_default()),
-            };
-            if let Some(p) = queue.pop_front() {
-                results.push((p, r));
+        for p in queue.iter_mut().take(seen) {
+            if p.return_recorded {
+                continue;
             }
-        }
-        for (_, r) in &mut results {
-            if let Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret))) = r {
+            p.return_recorded = true;
+            if let Some(Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)))) =
+                &p.result
+            {
                 if let Some(key) = returned_key(ret) {
                     reasons.insert(
                         key.clone(),
@@ -417,6 +448,15 @@ async fn confirm_task<T: Send + 'static>(
                 }
             }
         }
+        // Confirms resolved after the barrier (seen but not ready) may belong to a range
+        // still being resolved; they are classified in a later round, after its barrier.
+        let results: Vec<(Pending<T>, Result<Confirmation, String>)> = queue
+            .drain(..ready)
+            .map(|mut p| {
+                let r = p.result.take().unwrap_or_else(|| Err("no confirm".into()));
+                (p, r)
+            })
+            .collect();
         let batch: Vec<(T, PublishOutcome)> = results
             .into_iter()
             .map(|(p, r)| {

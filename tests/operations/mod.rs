@@ -355,6 +355,69 @@ fn row(id: &str, reason: &str, attempts: &str) -> (String, String, String) {
     (id.to_owned(), reason.to_owned(), attempts.to_owned())
 }
 
+/// lapin resolves the confirms of one multiple-ack in hash order and hands a pending
+/// basic.return to whichever it resolves first, so a return may ride on a later message's
+/// confirm. Under a fast backlog with many unroutable messages, every return must still be
+/// matched to its own message: each unroutable one dead-lettered, each routable one
+/// delivered, none acknowledged as routed while it was returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_in_a_fast_mixed_backlog_are_each_matched_to_their_message() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "ops_mixed_returns").await;
+    let exchange = support::unique("ops_mixed_x");
+    let queue = support::unique("ops_mixed_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let total = 20_000;
+    for chunk in 0..4 {
+        ob.sql(&format!(
+            "SELECT count(outbox.emit(CASE WHEN g % 7 = 3 THEN 'nobody.' ELSE 'ok.' END || g, '{{}}', '{{}}', 'm-' || g)) FROM generate_series({} , {}) g",
+            chunk * total / 4 + 1,
+            (chunk + 1) * total / 4
+        ));
+    }
+    let end = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    let unroutable: std::collections::BTreeSet<String> = (1..=total)
+        .filter(|g| g % 7 == 3)
+        .map(|g| format!("m-{g}"))
+        .collect();
+    let streamer = ob.run(&["--exchange", &exchange]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(120)), || async {
+            ob.confirmed_flush() >= end
+        })
+        .await,
+        "the slot passes the backlog:\n{}",
+        streamer.log()
+    );
+    let routable = total as usize - unroutable.len();
+    let got = support::drain_queue(&url, &queue, routable, scaled(Duration::from_secs(30))).await;
+    let delivered: std::collections::BTreeSet<String> =
+        got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let dead: std::collections::BTreeSet<String> = dead_letters(&ob)
+        .into_iter()
+        .map(|(id, reason, _)| {
+            assert_eq!(reason, "returned", "{id}");
+            id
+        })
+        .collect();
+    let missing: Vec<String> = (1..=total)
+        .map(|g| format!("m-{g}"))
+        .filter(|id| !delivered.contains(id) && !dead.contains(id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} acknowledged but neither delivered nor dead-lettered, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(10)]
+    );
+    assert_eq!(
+        dead, unroutable,
+        "exactly the unroutable ones are dead-lettered"
+    );
+    assert_eq!(delivered.len(), routable, "every routable one is delivered");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_message_is_dead_lettered_and_the_stream_goes_on() {
     let pg = Postgres::shared();
