@@ -261,10 +261,10 @@ impl Stack {
     /// forked (backends, walsenders, background workers) that is alive now.
     fn postgres_cpu_secs(&self, tck: f64) -> Option<f64> {
         let pm = fs::read_to_string(self.dir.join("pg/data/postmaster.pid")).ok()?;
-        let pm: u32 = pm.lines().next()?.trim().parse().ok()?;
+        let pm = pm.lines().next()?.trim().to_owned();
         // The postmaster's own CPU plus that of its children it has already reaped
         // (cutime + cstime), plus the live children below.
-        let mut total = cpu_secs(&pm.to_string(), tck)? + reaped_children_cpu_secs(pm, tck)?;
+        let mut total = cpu_secs(&pm, tck)? + reaped_children_cpu_secs(&pm, tck)?;
         for entry in fs::read_dir("/proc").ok()?.flatten() {
             let name = entry.file_name();
             let Some(pid) = name
@@ -273,14 +273,8 @@ impl Stack {
             else {
                 continue;
             };
-            let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            let ppid = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 2..].split_whitespace().nth(1))
-                .and_then(|p| p.parse::<u32>().ok());
-            if ppid == Some(pm) {
+            // Field 4 (index 1): the parent's pid.
+            if stat_fields(pid).is_some_and(|f| f.get(1) == Some(&pm)) {
                 total += cpu_secs(pid, tck).unwrap_or(0.0);
             }
         }
@@ -334,26 +328,34 @@ fn clk_tck() -> f64 {
         .unwrap_or(100.0)
 }
 
-/// utime + stime of a process, in seconds.
-fn cpu_secs(pid: &str, tck: f64) -> Option<f64> {
+/// Fields of /proc/PID/stat after `pid (comm) `: index 0 is field 3 (state).
+fn stat_fields(pid: &str) -> Option<Vec<String>> {
     let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &s[s.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After "pid (comm) ", field 3 (state) is index 0: utime is field 14, stime 15.
-    let ut: f64 = f.get(11)?.parse().ok()?;
-    let st: f64 = f.get(12)?.parse().ok()?;
-    Some((ut + st) / tck)
+    Some(
+        s[s.rfind(')')? + 2..]
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect(),
+    )
 }
 
-/// cutime + cstime of a process: CPU of its children that have exited and been waited
-/// for, in seconds.
-fn reaped_children_cpu_secs(pid: u32, tck: f64) -> Option<f64> {
-    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &s[s.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let cut: f64 = f.get(13)?.parse().ok()?;
-    let cst: f64 = f.get(14)?.parse().ok()?;
-    Some((cut + cst) / tck)
+/// The sum of two /proc/PID/stat clock-tick fields (by index into [`stat_fields`]), in seconds.
+fn stat_secs(pid: &str, tck: f64, a: usize, b: usize) -> Option<f64> {
+    let f = stat_fields(pid)?;
+    let x: f64 = f.get(a)?.parse().ok()?;
+    let y: f64 = f.get(b)?.parse().ok()?;
+    Some((x + y) / tck)
+}
+
+/// utime + stime of a process (fields 14, 15), in seconds.
+fn cpu_secs(pid: &str, tck: f64) -> Option<f64> {
+    stat_secs(pid, tck, 11, 12)
+}
+
+/// cutime + cstime of a process (fields 16, 17): CPU of its children that have exited and
+/// been waited for, in seconds.
+fn reaped_children_cpu_secs(pid: &str, tck: f64) -> Option<f64> {
+    stat_secs(pid, tck, 13, 14)
 }
 
 fn vm_hwm_mb(pid: u32) -> Option<f64> {

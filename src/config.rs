@@ -72,6 +72,12 @@ pub enum UnroutablePolicy {
     /// Retry forever, holding the watermark, logging each attempt.
     Block,
 }
+
+/// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The logical decoding message prefix of our envelopes.
+pub const MESSAGE_PREFIX: &str = "pgoutbox";
+
 /// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper
 /// case with `-` as `_` (the rule every option of the CLI follows).
 pub fn env_of(flag: &str) -> Option<String> {
@@ -81,11 +87,6 @@ pub fn env_of(flag: &str) -> Option<String> {
         name.to_uppercase().replace('-', "_")
     ))
 }
-
-/// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
-/// The logical decoding message prefix of our envelopes.
-pub const MESSAGE_PREFIX: &str = "pgoutbox";
 
 /// A setting that failed validation. Displays as
 /// `invalid setting --flag (PGOUTBOX_FLAG) = "value": rule`, naming the environment variable

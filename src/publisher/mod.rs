@@ -381,19 +381,14 @@ async fn confirm_task<T: Send + 'static>(
         }
         // Wait for the front confirm, taking new pendings meanwhile.
         let front_ready = match queue.front_mut() {
-            Some(front) if front.result.is_none() && front.confirm.is_some() => {
-                let mut incoming = None;
-                let ready = {
-                    let fut = async {
-                        match front.confirm.as_mut() {
-                            Some(c) => Some(c.await.map_err(|e| e.to_string())),
-                            None => None,
-                        }
-                    };
-                    tokio::select! {
+            None => false,
+            Some(front) => match front.confirm.as_mut() {
+                Some(confirm) if front.result.is_none() => {
+                    let mut incoming = None;
+                    let ready = tokio::select! {
                         biased;
-                        r = fut => {
-                            front.result = r;
+                        r = confirm => {
+                            front.result = Some(r.map_err(|e| e.to_string()));
                             true
                         }
                         p = rx.recv(), if input_open => {
@@ -403,15 +398,14 @@ async fn confirm_task<T: Send + 'static>(
                             }
                             false
                         }
+                    };
+                    if let Some(p) = incoming {
+                        queue.push_back(p);
                     }
-                };
-                if let Some(p) = incoming {
-                    queue.push_back(p);
+                    ready
                 }
-                ready
-            }
-            Some(front) => front.poll_ready(),
-            None => false,
+                _ => front.poll_ready(),
+            },
         };
         if !front_ready {
             continue;

@@ -105,7 +105,7 @@ impl ReplicationStream {
     /// [`Error::StreamEnded`]; an ErrorResponse becomes [`Error::Server`]; notices are skipped.
     ///
     /// # Errors
-    /// [`Error::Server`], [`Error::Closed`], [`Error::Protocol`] for an unexpected or
+    /// [`Error::Server`], [`Error::Closed`], [`Error::StreamEnded`], [`Error::Protocol`] for an unexpected or
     /// malformed frame, [`Error::Frame`] for a malformed CopyData payload.
     pub fn next_buffered(&mut self) -> Result<Option<ReplicationMessage>, Error> {
         const CTX: &str = "reading the replication stream";
