@@ -178,10 +178,12 @@ pub struct RunArgs {
     /// Durable topic exchange to publish to (declared if absent).
     #[arg(long, env = "PGOUTBOX_EXCHANGE", default_value = DEFAULT_EXCHANGE)]
     pub exchange: String,
-    /// In-flight window: messages published and not yet confirmed.
+    /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
+    /// confirmed behind an earlier unconfirmed one). A transaction is acknowledged whole, so
+    /// one larger than the window is still read to its end.
     #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
-    /// In-flight window: payload bytes published and not yet confirmed.
+    /// Window: bytes (logical message content) read and not yet acknowledged to Postgres.
     #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES)]
     pub max_in_flight_bytes: usize,
     /// Seconds to keep retrying a slot held by another process before exiting; 0 waits
@@ -212,6 +214,11 @@ pub struct RunArgs {
     /// one per transaction. Adds at most this much latency; 0 reads every transaction at once.
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64)]
     pub read_coalesce_us: u64,
+    /// The broker's max_message_size in bytes, if known: payloads larger than this are
+    /// dead-lettered as too_large without publishing. Unset: pgoutbox learns the limit the
+    /// first time RabbitMQ refuses a message for its size (406, channel closed).
+    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES")]
+    pub broker_max_message_bytes: Option<usize>,
 }
 
 impl RunArgs {
@@ -239,6 +246,7 @@ impl RunArgs {
             },
             max_attempts: self.max_attempts,
             max_message_bytes: self.max_message_bytes,
+            broker_max_message_bytes: self.broker_max_message_bytes,
             failpoint: self.failpoint,
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             read_coalesce: Duration::from_micros(self.read_coalesce_us),

@@ -193,8 +193,13 @@ pub struct RunConfig {
     pub on_unroutable: UnroutablePolicy,
     /// Publish attempts for a nacked message before it is dead-lettered (at least 1).
     pub max_attempts: u32,
-    /// Payloads larger than this (bytes) are dead-lettered as `too_large`.
+    /// Logical messages (the whole envelope, in bytes) larger than this are dead-lettered
+    /// as `too_large`.
     pub max_message_bytes: usize,
+    /// The broker's `max_message_size` (payload bytes), when the operator knows it: larger
+    /// payloads are dead-lettered as `too_large` before publishing. `None`: learned from
+    /// the broker's channel close the first time it refuses a message.
+    pub broker_max_message_bytes: Option<usize>,
     /// A crash injected for fault tests (`None` in production).
     pub failpoint: Option<Failpoint>,
     /// How long shutdown waits for outstanding confirms.
@@ -225,6 +230,7 @@ impl std::fmt::Debug for RunConfig {
             .field("on_unroutable", &self.on_unroutable)
             .field("max_attempts", &self.max_attempts)
             .field("max_message_bytes", &self.max_message_bytes)
+            .field("broker_max_message_bytes", &self.broker_max_message_bytes)
             .field("instance_id", &self.instance_id)
             .finish()
     }

@@ -155,18 +155,26 @@ pub enum StatusUpdateKind {
     KeepaliveReply,
     /// The final update before a clean shutdown, carrying the last flushed position.
     ShutdownFlush,
+    /// A periodic update sent while nothing is pending and the flush position is behind the
+    /// newest WAL position seen: it asks the server for a primary keepalive, whose `walEnd`
+    /// the idle watermark may then take (the walsender would otherwise send none).
+    IdleProbe,
 }
 
 impl StatusUpdateKind {
     /// Whether the update asks the server to reply immediately (the reply-requested byte).
     ///
-    /// True only for [`StatusUpdateKind::ShutdownFlush`]: the server then answers with a
+    /// True for [`StatusUpdateKind::ShutdownFlush`]: the server then answers with a
     /// Primary keepalive, and receiving it proves the server has read our final status
     /// update (and so recorded the flushed position in the slot's memory) before we close
-    /// the connection. Asking for replies in the other cases would only add traffic.
+    /// the connection. True for [`StatusUpdateKind::IdleProbe`], whose point is the
+    /// keepalive it brings. Asking for replies in the other cases would only add traffic.
     #[must_use]
     pub fn request_reply(self) -> bool {
-        matches!(self, StatusUpdateKind::ShutdownFlush)
+        matches!(
+            self,
+            StatusUpdateKind::ShutdownFlush | StatusUpdateKind::IdleProbe
+        )
     }
 }
 
