@@ -447,6 +447,19 @@ mod tests {
     }
 
     #[test]
+    fn a_commit_below_the_start_never_lowers_the_flush() {
+        // The slot's confirmed_flush_lsn may lie inside a replayed transaction's range:
+        // PostgreSQL 15 stores whatever the client reports, so never report less.
+        let mut wm = AckWatermark::new(Lsn(100));
+        let t = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(50)).unwrap();
+        wm.confirm(t).unwrap();
+        assert_eq!(wm.flushed(), Lsn(100));
+        assert!(wm.is_idle());
+    }
+
+    #[test]
     fn unconfirmed_count_tracks_confirms_and_failures() {
         let mut wm = AckWatermark::new(Lsn(0));
         let t = wm.begin().unwrap();
