@@ -475,6 +475,146 @@ mod tests {
     }
 
     #[test]
+    fn confirms_find_their_transaction_after_the_front_moved_on() {
+        // Two transactions are acknowledged and dropped from the front first, so sequence
+        // numbers and positions in the list no longer coincide.
+        let mut wm = AckWatermark::new(Lsn(0));
+        for end in [10, 20] {
+            let t = wm.begin().unwrap();
+            wm.add_message().unwrap();
+            wm.commit(Lsn(end)).unwrap();
+            wm.confirm(t).unwrap();
+        }
+        assert_eq!(wm.flushed(), Lsn(20));
+        let t3 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(30)).unwrap();
+        let t4 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(40)).unwrap();
+        let t5 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(50)).unwrap();
+        wm.confirm(t3).unwrap();
+        assert_eq!(wm.flushed(), Lsn(30), "the confirm of t3 settles t3");
+        wm.fail(t5).unwrap();
+        wm.confirm(t4).unwrap();
+        assert_eq!(wm.flushed(), Lsn(40), "t4 is settled, the failure was t5's");
+        assert_eq!(wm.unconfirmed(), 0);
+        // A confirm for a transaction already acknowledged is a bookkeeping bug, not a
+        // confirm of whatever now sits at its old position.
+        let t6 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(60)).unwrap();
+        assert_eq!(wm.confirm(t3), Err(WatermarkError::UnknownConfirm));
+        assert_eq!(wm.fail(t4), Err(WatermarkError::UnknownConfirm));
+        assert_eq!(wm.unconfirmed(), 1, "t6's message is still in flight");
+        wm.confirm(t6).unwrap();
+        assert_eq!(wm.flushed(), Lsn(40), "t5 failed: nothing past it");
+    }
+
+    #[test]
+    fn a_settled_prefix_is_acknowledged_while_later_entries_are_pending() {
+        let mut wm = AckWatermark::new(Lsn(0));
+        let t1 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(10)).unwrap();
+        let t2 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(20)).unwrap();
+        let t3 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(30)).unwrap();
+        wm.confirm(t1).unwrap();
+        assert_eq!(
+            wm.flushed(),
+            Lsn(10),
+            "t1 is settled though t2 and t3 are not"
+        );
+        // An open transaction and a failed one behind the front hold nothing before them.
+        let t4 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.fail(t3).unwrap();
+        wm.confirm(t2).unwrap();
+        assert_eq!(
+            wm.flushed(),
+            Lsn(20),
+            "t2 is settled; t3 failed, t4 is open"
+        );
+        wm.commit(Lsn(40)).unwrap();
+        wm.confirm(t4).unwrap();
+        assert_eq!(wm.flushed(), Lsn(20), "nothing past the failed t3");
+    }
+
+    #[test]
+    fn block_inside_an_open_transaction_blocks_that_transaction() {
+        let mut wm = AckWatermark::new(Lsn(0));
+        let t1 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(10)).unwrap();
+        // A poison message inside t2, among ordinary ones.
+        let t2 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.block_here();
+        assert!(
+            wm.in_transaction(),
+            "blocking does not close the transaction"
+        );
+        wm.add_message().unwrap();
+        wm.commit(Lsn(20)).unwrap();
+        assert!(!wm.in_transaction());
+        wm.confirm(t2).unwrap();
+        wm.confirm(t2).unwrap();
+        assert_eq!(wm.flushed(), Lsn(0), "t1 is not confirmed yet");
+        wm.confirm(t1).unwrap();
+        assert_eq!(
+            wm.flushed(),
+            Lsn(10),
+            "t1 before the poison is acknowledged"
+        );
+        // Everything after t2 stays unacknowledged, keepalives included.
+        let t3 = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(30)).unwrap();
+        wm.confirm(t3).unwrap();
+        assert_eq!(wm.unconfirmed(), 0);
+        assert!(!wm.is_idle());
+        assert!(!wm.keepalive(Lsn(99)));
+        assert_eq!(wm.flushed(), Lsn(10));
+    }
+
+    #[test]
+    fn block_inside_a_transaction_without_messages_blocks_it() {
+        let mut wm = AckWatermark::new(Lsn(5));
+        wm.begin().unwrap();
+        wm.block_here();
+        wm.commit(Lsn(20)).unwrap();
+        assert_eq!(
+            wm.flushed(),
+            Lsn(5),
+            "a blocked transaction is never acknowledged"
+        );
+        assert!(!wm.is_idle());
+        wm.begin().unwrap();
+        wm.commit(Lsn(30)).unwrap();
+        assert!(!wm.keepalive(Lsn(40)));
+        assert_eq!(wm.flushed(), Lsn(5));
+    }
+
+    #[test]
+    fn a_commit_below_the_start_never_lowers_the_flush() {
+        // The slot's confirmed_flush_lsn may lie inside a replayed transaction's range:
+        // PostgreSQL 15 stores whatever the client reports, so never report less.
+        let mut wm = AckWatermark::new(Lsn(100));
+        let t = wm.begin().unwrap();
+        wm.add_message().unwrap();
+        wm.commit(Lsn(50)).unwrap();
+        wm.confirm(t).unwrap();
+        assert_eq!(wm.flushed(), Lsn(100));
+        assert!(wm.is_idle());
+    }
+
+    #[test]
     fn unconfirmed_count_tracks_confirms_and_failures() {
         let mut wm = AckWatermark::new(Lsn(0));
         let t = wm.begin().unwrap();
@@ -590,3 +730,6 @@ mod tests {
         assert_ne!(t, t2);
     }
 }
+
+#[cfg(test)]
+mod model;
