@@ -481,35 +481,35 @@ mod tests {
         let mut wm = AckWatermark::new(Lsn(0));
         for end in [10, 20] {
             let t = wm.begin().unwrap();
-            wm.add_message().unwrap();
+            wm.add_message(0).unwrap();
             wm.commit(Lsn(end)).unwrap();
-            wm.confirm(t).unwrap();
+            wm.confirm(t, 0).unwrap();
         }
         assert_eq!(wm.flushed(), Lsn(20));
         let t3 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(30)).unwrap();
         let t4 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(40)).unwrap();
         let t5 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(50)).unwrap();
-        wm.confirm(t3).unwrap();
+        wm.confirm(t3, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(30), "the confirm of t3 settles t3");
-        wm.fail(t5).unwrap();
-        wm.confirm(t4).unwrap();
+        wm.fail(t5, 0).unwrap();
+        wm.confirm(t4, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(40), "t4 is settled, the failure was t5's");
         assert_eq!(wm.unconfirmed(), 0);
         // A confirm for a transaction already acknowledged is a bookkeeping bug, not a
         // confirm of whatever now sits at its old position.
         let t6 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(60)).unwrap();
-        assert_eq!(wm.confirm(t3), Err(WatermarkError::UnknownConfirm));
-        assert_eq!(wm.fail(t4), Err(WatermarkError::UnknownConfirm));
+        assert_eq!(wm.confirm(t3, 0), Err(WatermarkError::UnknownConfirm));
+        assert_eq!(wm.fail(t4, 0), Err(WatermarkError::UnknownConfirm));
         assert_eq!(wm.unconfirmed(), 1, "t6's message is still in flight");
-        wm.confirm(t6).unwrap();
+        wm.confirm(t6, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(40), "t5 failed: nothing past it");
     }
 
@@ -517,15 +517,15 @@ mod tests {
     fn a_settled_prefix_is_acknowledged_while_later_entries_are_pending() {
         let mut wm = AckWatermark::new(Lsn(0));
         let t1 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(10)).unwrap();
         let t2 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(20)).unwrap();
         let t3 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(30)).unwrap();
-        wm.confirm(t1).unwrap();
+        wm.confirm(t1, 0).unwrap();
         assert_eq!(
             wm.flushed(),
             Lsn(10),
@@ -533,16 +533,16 @@ mod tests {
         );
         // An open transaction and a failed one behind the front hold nothing before them.
         let t4 = wm.begin().unwrap();
-        wm.add_message().unwrap();
-        wm.fail(t3).unwrap();
-        wm.confirm(t2).unwrap();
+        wm.add_message(0).unwrap();
+        wm.fail(t3, 0).unwrap();
+        wm.confirm(t2, 0).unwrap();
         assert_eq!(
             wm.flushed(),
             Lsn(20),
             "t2 is settled; t3 failed, t4 is open"
         );
         wm.commit(Lsn(40)).unwrap();
-        wm.confirm(t4).unwrap();
+        wm.confirm(t4, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(20), "nothing past the failed t3");
     }
 
@@ -550,23 +550,23 @@ mod tests {
     fn block_inside_an_open_transaction_blocks_that_transaction() {
         let mut wm = AckWatermark::new(Lsn(0));
         let t1 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(10)).unwrap();
         // A poison message inside t2, among ordinary ones.
         let t2 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.block_here();
         assert!(
             wm.in_transaction(),
             "blocking does not close the transaction"
         );
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(20)).unwrap();
         assert!(!wm.in_transaction());
-        wm.confirm(t2).unwrap();
-        wm.confirm(t2).unwrap();
+        wm.confirm(t2, 0).unwrap();
+        wm.confirm(t2, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(0), "t1 is not confirmed yet");
-        wm.confirm(t1).unwrap();
+        wm.confirm(t1, 0).unwrap();
         assert_eq!(
             wm.flushed(),
             Lsn(10),
@@ -574,9 +574,9 @@ mod tests {
         );
         // Everything after t2 stays unacknowledged, keepalives included.
         let t3 = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(30)).unwrap();
-        wm.confirm(t3).unwrap();
+        wm.confirm(t3, 0).unwrap();
         assert_eq!(wm.unconfirmed(), 0);
         assert!(!wm.is_idle());
         assert!(!wm.keepalive(Lsn(99)));
@@ -607,9 +607,9 @@ mod tests {
         // PostgreSQL 15 stores whatever the client reports, so never report less.
         let mut wm = AckWatermark::new(Lsn(100));
         let t = wm.begin().unwrap();
-        wm.add_message().unwrap();
+        wm.add_message(0).unwrap();
         wm.commit(Lsn(50)).unwrap();
-        wm.confirm(t).unwrap();
+        wm.confirm(t, 0).unwrap();
         assert_eq!(wm.flushed(), Lsn(100));
         assert!(wm.is_idle());
     }

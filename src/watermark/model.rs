@@ -278,12 +278,12 @@ fn apply(wm: &mut AckWatermark, model: &mut Model, step: &Step) -> Result<(), Te
         }
         Step::Message => {
             if model.open {
-                let seq = wm.add_message().map_err(fail_with)?;
+                let seq = wm.add_message(0).map_err(fail_with)?;
                 let txn = model.txns.last_mut().expect("an open transaction");
                 prop_assert_eq!(Some(seq), txn.seq, "add_message names the open transaction");
                 txn.messages.push(MessageState::Unconfirmed);
             } else {
-                prop_assert_eq!(wm.add_message(), Err(WatermarkError::NoOpenTransaction));
+                prop_assert_eq!(wm.add_message(0), Err(WatermarkError::NoOpenTransaction));
             }
         }
         Step::Commit { gap } => {
@@ -322,8 +322,8 @@ fn apply(wm: &mut AckWatermark, model: &mut Model, step: &Step) -> Result<(), Te
             }
             let seq = candidates[pick.index(candidates.len())];
             let before = (wm.flushed(), wm.unconfirmed());
-            prop_assert_eq!(wm.confirm(seq), Err(WatermarkError::UnknownConfirm));
-            prop_assert_eq!(wm.fail(seq), Err(WatermarkError::UnknownConfirm));
+            prop_assert_eq!(wm.confirm(seq, 0), Err(WatermarkError::UnknownConfirm));
+            prop_assert_eq!(wm.fail(seq, 0), Err(WatermarkError::UnknownConfirm));
             prop_assert_eq!((wm.flushed(), wm.unconfirmed()), before);
         }
         Step::Block => {
@@ -374,10 +374,10 @@ fn settle(
 ) -> Result<(), TestCaseError> {
     let seq = model.txns[t].seq.expect("messages belong to transactions");
     match outcome {
-        MessageState::Failed => wm.fail(seq).map_err(fail_with)?,
+        MessageState::Failed => wm.fail(seq, 0).map_err(fail_with)?,
         // A dead letter is durable once written: from the watermark's view, settled.
         MessageState::Confirmed | MessageState::DeadLettered => {
-            wm.confirm(seq).map_err(fail_with)?;
+            wm.confirm(seq, 0).map_err(fail_with)?;
         }
         MessageState::Unconfirmed => unreachable!("not an outcome"),
     }
