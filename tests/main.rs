@@ -5,6 +5,7 @@ mod support;
 mod chaos;
 mod end_to_end;
 mod faults;
+mod hardening;
 mod harness_smoke;
 mod operations;
 mod proxy_smoke;
