@@ -511,3 +511,52 @@ async fn signals_end_every_wait_promptly() {
     );
     drop(silent);
 }
+
+/// Section 3: `--broker-max-message-bytes` dead-letters a larger payload before publishing,
+/// with no channel close and no reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_max_message_bytes_is_checked_before_publishing() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "hard_size_flag").await;
+    let streamer = ob.run(&["--broker-max-message-bytes", "1000"]);
+    let big = ob.sql(
+        "SELECT outbox.emit_bytes('big', convert_to(repeat('z', 1001), 'UTF8'), 'text/plain', '{}', 'over')",
+    );
+    ob.sql("SELECT outbox.emit_bytes('fits', convert_to(repeat('z', 1000), 'UTF8'), 'text/plain', '{}', 'fits')");
+    let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(
+        got.iter()
+            .map(|m| m.message_id.clone().unwrap())
+            .collect::<Vec<_>>(),
+        ["fits"],
+        "{}",
+        streamer.log()
+    );
+    let row = || {
+        ob.sql(&format!(
+            "SELECT reason || '|' || attempts || '|' || last_error FROM outbox.dead_letter WHERE lsn = '{}'",
+            big.trim()
+        ))
+    };
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || {
+            let found = !row().trim().is_empty();
+            async move { found }
+        })
+        .await
+    );
+    let row = row();
+    assert!(row.starts_with("too_large|0|"), "{row}");
+    assert!(row.contains("--broker-max-message-bytes 1000"), "{row}");
+    assert_eq!(
+        streamer.log_count("session failed; reconnecting"),
+        0,
+        "{}",
+        streamer.log()
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some_and(|s| s.success()));
+}
