@@ -87,7 +87,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
                 "--publication".into(),
                 ob.publication.clone(),
             ],
-            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup` first",
+            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup --slot no_such_slot` first",
         ),
         (
             vec![
