@@ -100,8 +100,8 @@ impl Error {
             | Error::Precondition(_)
             | Error::SlotLost { .. }
             | Error::SlotBusy { .. }
-            | Error::ShutdownTimeout { .. }
-            | Error::PostgresPasswordMissing { .. } => false,
+            | Error::ShutdownTimeout { .. } => false,
+            Error::PostgresPasswordMissing { .. } => false,
             Error::Replication(e) => {
                 !matches!(
                     e,
