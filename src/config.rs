@@ -376,6 +376,28 @@ mod tests {
     }
 
     #[test]
+    fn connect_timeout_is_the_urls_or_ten_seconds() {
+        let timeout = |url: &str| connect_timeout(&parse_database_url(url).unwrap());
+        assert_eq!(
+            timeout("postgres://u@h/db?connect_timeout=3"),
+            std::time::Duration::from_secs(3)
+        );
+        assert_eq!(
+            timeout("host=h user=u connect_timeout=45"),
+            std::time::Duration::from_secs(45)
+        );
+        assert_eq!(timeout("postgres://u@h/db"), DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(
+            timeout("postgres://u@h/db?connect_timeout=0"),
+            DEFAULT_CONNECT_TIMEOUT
+        );
+        assert_eq!(
+            describe_postgres_target(&parse_database_url("postgres://u:secret@h:6543/db").unwrap()),
+            "PostgreSQL u@h:6543/db"
+        );
+    }
+
+    #[test]
     fn redacts_passwords() {
         assert_eq!(
             redact_url("postgres://u:secret@h:5/db"),

@@ -380,3 +380,40 @@ async fn broker_channel_close_shows_the_reply_code_and_text() {
     assert!(!line.contains("invalid channel state"), "{line}");
     let _ = conn.close(200, "bye".into()).await;
 }
+
+/// When the broker refuses a message for its size it closes the channel with 406; the
+/// session's failure shows that reply, not lapin's "invalid channel state".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_size_refusal_shows_the_reply_code_and_text() {
+    let pg = Postgres::shared();
+    let rabbit = RabbitMq::start_private();
+    // Read by each new channel (RabbitMQ 3.10), so set before pgoutbox connects.
+    rabbit.ctl_ok(&[
+        "eval",
+        "application:set_env(rabbit, max_message_size, 1048576).",
+    ]);
+    let ob = Outbox::new(pg, &rabbit.url(), "err_toolarge").await;
+    let run = ob.run(&[]);
+    assert!(
+        run.wait_for_log("streaming", scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        run.log()
+    );
+    ob.sql("SELECT outbox.emit('a.b', jsonb_build_object('x', repeat('y', 2 * 1024 * 1024)), '{}', 'big-1')");
+    let logged = run
+        .wait_for_log(
+            "session failed; reconnecting",
+            scaled(Duration::from_secs(30)),
+        )
+        .await;
+    let log = run.log();
+    assert!(logged, "{log}");
+    let line = log
+        .lines()
+        .find(|l| l.contains("session failed; reconnecting"))
+        .unwrap_or_default();
+    assert!(line.contains("406 PRECONDITION_FAILED"), "{line}");
+    assert!(line.contains("larger than configured max size"), "{line}");
+    assert!(!line.contains("invalid channel state"), "{line}");
+}
