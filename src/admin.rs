@@ -8,28 +8,46 @@ use crate::error::Error;
 use crate::lsn::Lsn;
 
 /// How long an ordinary SQL connection attempt may take when the URL sets no
-/// `connect_timeout`.
-pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// `connect_timeout` (see [`crate::config::DEFAULT_CONNECT_TIMEOUT`]).
+pub const CONNECT_TIMEOUT: std::time::Duration = crate::config::DEFAULT_CONNECT_TIMEOUT;
 
 /// The producer helpers, installed by `setup` (idempotent).
 pub const OUTBOX_SQL: &str = include_str!("../sql/outbox.sql");
 
 /// Connects an ordinary SQL session and spawns its connection task.
 ///
+/// The whole handshake (TCP connect, startup, authentication) is bounded by the URL's
+/// `connect_timeout` ([`crate::config::connect_timeout`]): tokio-postgres' own
+/// `connect_timeout` covers only the TCP connect, so a server that accepts TCP and never
+/// answers would otherwise hang here for ever.
+///
 /// # Errors
-/// [`Error::Sql`] when the connection fails.
+/// [`Error::PostgresConnectTimeout`] (retryable) when the handshake does not finish in
+/// time; [`Error::PostgresPasswordMissing`] (definite) when the server asks for a password
+/// the URL lacks; [`Error::Sql`] when the connection fails otherwise, with a hint.
 pub async fn connect(config: &tokio_postgres::Config) -> Result<Client, Error> {
+    let timeout = crate::config::connect_timeout(config);
     let mut config = config.clone();
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(CONNECT_TIMEOUT);
-    }
+    config.connect_timeout(timeout);
     let config = &config;
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
-        let target = describe_target(config);
+    let target = describe_target(config);
+    let connected = tokio::time::timeout(timeout, config.connect(NoTls))
+        .await
+        .map_err(|_| Error::PostgresConnectTimeout {
+            target: target.clone(),
+            timeout_s: timeout.as_secs(),
+        })?;
+    let (client, connection) = connected.map_err(|e| {
+        if is_password_missing(&e) {
+            return Error::PostgresPasswordMissing {
+                target: target.clone(),
+                source: e,
+            };
+        }
         let hint = if e.code().is_some_and(|c| c.code().starts_with("28")) {
             "check the user and password in --database-url (PGOUTBOX_DATABASE_URL)"
-        } else if e.to_string().contains("password missing") {
-            "the server asks for a password: add it to --database-url (postgres://user:password@host/db)"
+        } else if e.code().is_some_and(|c| c.code() == "3D000") {
+            "check the database name in --database-url (PGOUTBOX_DATABASE_URL)"
         } else {
             "check host, port and dbname in --database-url (PGOUTBOX_DATABASE_URL) and that PostgreSQL is running"
         };
@@ -43,20 +61,24 @@ pub async fn connect(config: &tokio_postgres::Config) -> Result<Client, Error> {
     Ok(client)
 }
 
-/// `user@host:port/dbname` of a connection config, for error messages (no password).
+/// tokio-postgres reports a password the server asked for and the config lacks as a
+/// configuration error whose cause reads "password missing" (its `Display` alone says only
+/// "invalid configuration").
+fn is_password_missing(e: &tokio_postgres::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.to_string().contains("password missing") {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// `PostgreSQL user@host:port/dbname` of a connection config, for error messages (no
+/// password).
 pub fn describe_target(config: &tokio_postgres::Config) -> String {
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
-        None => "localhost".into(),
-    };
-    format!(
-        "PostgreSQL {}@{}:{}/{}",
-        config.get_user().unwrap_or("?"),
-        host,
-        config.get_ports().first().copied().unwrap_or(5432),
-        config.get_dbname().unwrap_or("?")
-    )
+    crate::config::describe_postgres_target(config)
 }
 
 /// Whether a publication of this name exists in the connected database.
@@ -157,7 +179,9 @@ pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<Set
                 (row.get(0), row.get(1), row.get(2));
             if plugin.as_deref() != Some("pgoutput") || db.as_deref() != Some(current.as_str()) {
                 return Err(Error::Precondition(format!(
-                    "slot {slot:?} exists with plugin {plugin:?} in database {db:?}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot"
+                    "slot {slot:?} exists with plugin {} in database {}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot (SELECT pg_drop_replication_slot('{slot}'))",
+                    plugin.as_deref().unwrap_or("(none: a physical slot)"),
+                    db.as_deref().map(|d| format!("{d:?}")).unwrap_or_else(|| "(none)".into()),
                 )));
             }
             false
@@ -234,7 +258,7 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, Erro
         .map_err(|e| Error::sql("reading pg_replication_slots", e))?
         .ok_or_else(|| {
             Error::Precondition(format!(
-                "replication slot {slot:?} does not exist; run `pgoutbox setup` first (messages emitted before the slot exists are never delivered)"
+                "replication slot {slot:?} does not exist; run `pgoutbox setup --slot {slot}` first (messages emitted before the slot exists are never delivered)"
             ))
         })?;
     Ok(SlotStatus {
@@ -266,23 +290,27 @@ pub async fn confirmed_flush_lsn(client: &Client, slot: &str) -> Result<Lsn, Err
         })
 }
 
-/// Checks that `run` can work: `wal_level`, slot exists with pgoutput and is not lost,
-/// publication exists (a misspelled publication is otherwise only rejected when the first
-/// table change is decoded).
+/// Checks that `run` can work: `wal_level`, the role's `REPLICATION` attribute, slot
+/// exists with pgoutput and is not lost, publication exists (a misspelled publication is
+/// otherwise only rejected when the first table change is decoded), and the role may write
+/// dead letters ([`check_dead_letter_privileges`]), so that a least-privilege streamer fails
+/// here, up front, instead of at its first dead letter while it holds the stream.
 ///
 /// # Errors
-/// [`Error::Precondition`], [`Error::SlotLost`], [`Error::Sql`].
+/// [`Error::Precondition`] (definite, with the fix: `ALTER ROLE`, `setup`, the `GRANT`s),
+/// [`Error::SlotLost`], [`Error::Sql`].
 pub async fn preflight(
     client: &Client,
     slot: &str,
     publication: &str,
 ) -> Result<SlotStatus, Error> {
     check_wal_level(client).await?;
+    check_replication_role(client).await?;
     let status = slot_status(client, slot).await?;
     if status.plugin.as_deref() != Some("pgoutput") {
         return Err(Error::Precondition(format!(
-            "slot {slot:?} uses plugin {:?}; pgoutbox needs pgoutput: pick another --slot or recreate it with pgoutbox setup",
-            status.plugin
+            "slot {slot:?} uses plugin {}; pgoutbox needs pgoutput: pick another --slot, or drop it (SELECT pg_drop_replication_slot('{slot}')) and recreate it with `pgoutbox setup --slot {slot}`",
+            status.plugin.as_deref().unwrap_or("(none: a physical slot)")
         )));
     }
     if status.wal_status.as_deref() == Some("lost") {
@@ -294,10 +322,89 @@ pub async fn preflight(
     let exists = publication_exists(client, publication).await?;
     if !exists {
         return Err(Error::Precondition(format!(
-            "publication {publication:?} does not exist in this database; run `pgoutbox setup --publication {publication}` or fix --publication"
+            "publication {publication:?} does not exist in this database; run `pgoutbox setup --slot {slot} --publication {publication}` or fix --publication"
         )));
     }
+    check_dead_letter_privileges(client, slot).await?;
     Ok(status)
+}
+
+/// The privileges `run` needs on what it writes, `outbox.dead_letter`, as the `GRANT`s that
+/// give them (also in `sql/roles.example.sql`): `USAGE` on the schema, `INSERT` on the table
+/// plus `SELECT` (the insert's `ON CONFLICT (lsn)` check reads it), and `USAGE` on its id
+/// sequence (`bigserial` calls `nextval`). `role` is quoted as an identifier.
+pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 3] {
+    let role = format!("\"{}\"", role.replace('"', "\"\""));
+    [
+        format!("GRANT USAGE ON SCHEMA outbox TO {role};"),
+        format!("GRANT SELECT, INSERT ON outbox.dead_letter TO {role};"),
+        format!("GRANT USAGE ON SEQUENCE {sequence} TO {role};"),
+    ]
+}
+
+/// Fails unless the connected role can write dead letters: `outbox.dead_letter` exists
+/// (else run `setup`) and the role has every privilege of [`dead_letter_grants`].
+///
+/// The catalogs are read directly, so the check itself needs no privilege on `outbox`.
+///
+/// # Errors
+/// [`Error::Precondition`] naming the role, what is missing and the complete `GRANT`s to
+/// run; [`Error::Sql`].
+pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result<(), Error> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text,
+                    c.oid IS NOT NULL,
+                    CASE WHEN n.oid IS NOT NULL THEN has_schema_privilege(n.oid, 'USAGE') END,
+                    CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'INSERT') END,
+                    CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'SELECT') END,
+                    quote_ident(n.nspname) || '.' || quote_ident(sq.relname),
+                    CASE WHEN sq.oid IS NOT NULL THEN has_sequence_privilege(sq.oid, 'USAGE') END
+             FROM (SELECT 1) AS one
+             LEFT JOIN pg_namespace n ON n.nspname = 'outbox'
+             LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = 'dead_letter'
+             LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'id'
+             LEFT JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = c.oid
+                  AND d.refobjsubid = a.attnum AND d.classid = 'pg_class'::regclass
+                  AND d.deptype IN ('a', 'i')
+             LEFT JOIN pg_class sq ON sq.oid = d.objid AND sq.relkind = 'S'",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("checking the privileges on outbox.dead_letter", e))?;
+    // Names are never looked up (that would need USAGE on the schema): only oids.
+    let role: String = row.get(0);
+    let table_exists: bool = row.get(1);
+    if !table_exists {
+        return Err(Error::Precondition(format!(
+            "table outbox.dead_letter does not exist in this database; run `pgoutbox setup --slot {slot}` (as the database owner) first"
+        )));
+    }
+    let sequence: Option<String> = row.get(5);
+    let sequence = sequence.unwrap_or_else(|| "outbox.dead_letter_id_seq".into());
+    // No sequence found (the table was changed by hand): nothing to check for it.
+    let seq_usage = row.get::<_, Option<bool>>(6) != Some(false);
+    let mut missing = Vec::new();
+    if row.get::<_, Option<bool>>(2) != Some(true) {
+        missing.push("USAGE on schema outbox".to_owned());
+    }
+    if row.get::<_, Option<bool>>(3) != Some(true) {
+        missing.push("INSERT on outbox.dead_letter".to_owned());
+    }
+    if row.get::<_, Option<bool>>(4) != Some(true) {
+        missing.push("SELECT on outbox.dead_letter".to_owned());
+    }
+    if !seq_usage {
+        missing.push(format!("USAGE on sequence {sequence}"));
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Precondition(format!(
+        "role {role:?} cannot write dead letters (missing {}); as the owner of schema outbox or a superuser, run: {} (sql/roles.example.sql grants the same)",
+        missing.join(", "),
+        dead_letter_grants(&role, &sequence).join(" ")
+    )))
 }
 
 /// Counts outbox messages the slot still holds, without consuming them
@@ -488,8 +595,22 @@ pub async fn write_dead_letter(client: &Client, dl: &NewDeadLetter<'_>) -> Resul
             ],
         )
         .await
-        .map_err(|e| Error::sql("writing a dead letter to outbox.dead_letter (run `pgoutbox setup` if it is missing)", e))?;
+        .map_err(|e| Error::sql(format!("writing a dead letter to outbox.dead_letter{}", dead_letter_hint(&e)), e))?;
     Ok(())
+}
+
+/// A hint for a failed statement on `outbox.dead_letter`: run `setup` when the table or
+/// schema is missing (`42P01`, `3F000`), grant when a privilege is (`42501`).
+fn dead_letter_hint(e: &tokio_postgres::Error) -> &'static str {
+    match e.code().map(|c| c.code()) {
+        Some("42P01" | "3F000") => {
+            "; it does not exist in this database: run `pgoutbox setup --slot NAME` (as the database owner) first"
+        }
+        Some("42501") => {
+            "; the role lacks a privilege: grant what sql/roles.example.sql grants to the streamer"
+        }
+        _ => "",
+    }
 }
 
 /// Which dead letters a command applies to.
@@ -536,7 +657,12 @@ pub async fn list_dead_letters(
             &[&include_requeued, &limit],
         )
         .await
-        .map_err(|e| Error::sql("listing outbox.dead_letter", e))?;
+        .map_err(|e| {
+            Error::sql(
+                format!("listing outbox.dead_letter{}", dead_letter_hint(&e)),
+                e,
+            )
+        })?;
     Ok(rows
         .iter()
         .map(|r| DeadLetter {
@@ -584,7 +710,12 @@ pub async fn requeue_dead_letters(
             &[&arg],
         )
         .await
-        .map_err(|e| Error::sql("requeueing dead letters", e))?;
+        .map_err(|e| {
+            Error::sql(
+                format!("requeueing dead letters from outbox.dead_letter{}", dead_letter_hint(&e)),
+                e,
+            )
+        })?;
     tx.commit()
         .await
         .map_err(|e| Error::sql("committing the requeue", e))?;
@@ -603,5 +734,13 @@ pub async fn purge_dead_letters(client: &Client, selection: &Selection) -> Resul
             &[&arg],
         )
         .await
-        .map_err(|e| Error::sql("purging dead letters", e))
+        .map_err(|e| {
+            Error::sql(
+                format!(
+                    "purging dead letters from outbox.dead_letter{}",
+                    dead_letter_hint(&e)
+                ),
+                e,
+            )
+        })
 }

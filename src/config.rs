@@ -137,6 +137,41 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// How long a Postgres connection handshake (TCP connect, startup, authentication, up to
+/// the first ReadyForQuery) may take when the URL sets no `connect_timeout`: long enough for
+/// a loaded server or a slow SCRAM exchange, short enough that a host that accepts TCP and
+/// never answers is reported promptly instead of hanging `status` or `run`.
+pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The handshake timeout for a Postgres connection: libpq's `connect_timeout` from the URL
+/// (seconds), else [`DEFAULT_CONNECT_TIMEOUT`]. tokio-postgres' parser drops
+/// `connect_timeout=0` (libpq: wait for ever), so 0 also means the default: pgoutbox never
+/// waits for ever on a handshake.
+pub fn connect_timeout(config: &tokio_postgres::Config) -> std::time::Duration {
+    config
+        .get_connect_timeout()
+        .copied()
+        .filter(|t| !t.is_zero())
+        .unwrap_or(DEFAULT_CONNECT_TIMEOUT)
+}
+
+/// `PostgreSQL user@host:port/dbname` of a connection config, for error messages (no
+/// password). The first host and port are shown.
+pub fn describe_postgres_target(config: &tokio_postgres::Config) -> String {
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".into(),
+    };
+    format!(
+        "PostgreSQL {}@{}:{}/{}",
+        config.get_user().unwrap_or("?"),
+        host,
+        config.get_ports().first().copied().unwrap_or(5432),
+        config.get_dbname().unwrap_or("?")
+    )
+}
+
 /// Parses a Postgres connection string (URL or key=value) with tokio-postgres' parser,
 /// refusing TLS modes first.
 ///
@@ -343,6 +378,28 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"200000\": must be at most 100000"
+        );
+    }
+
+    #[test]
+    fn connect_timeout_is_the_urls_or_ten_seconds() {
+        let timeout = |url: &str| connect_timeout(&parse_database_url(url).unwrap());
+        assert_eq!(
+            timeout("postgres://u@h/db?connect_timeout=3"),
+            std::time::Duration::from_secs(3)
+        );
+        assert_eq!(
+            timeout("host=h user=u connect_timeout=45"),
+            std::time::Duration::from_secs(45)
+        );
+        assert_eq!(timeout("postgres://u@h/db"), DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(
+            timeout("postgres://u@h/db?connect_timeout=0"),
+            DEFAULT_CONNECT_TIMEOUT
+        );
+        assert_eq!(
+            describe_postgres_target(&parse_database_url("postgres://u:secret@h:6543/db").unwrap()),
+            "PostgreSQL u@h:6543/db"
         );
     }
 

@@ -4,6 +4,7 @@ mod support;
 
 mod chaos;
 mod end_to_end;
+mod errors;
 mod faults;
 mod hardening;
 mod harness_smoke;

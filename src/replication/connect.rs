@@ -47,8 +47,9 @@ impl Socket for UnixStream {
     }
 }
 
-/// How long connecting (TCP connect plus authentication) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the handshake (TCP connect, startup, authentication, up to ReadyForQuery) may
+/// take when the URL sets no `connect_timeout` ([`crate::config::DEFAULT_CONNECT_TIMEOUT`]).
+pub const CONNECT_TIMEOUT: Duration = crate::config::DEFAULT_CONNECT_TIMEOUT;
 
 /// Initial capacity of the read buffer in bytes. Large reads keep the walsender from being
 /// woken for every small chunk (see FACTS.md: the reader should read eagerly, in big chunks).
@@ -102,10 +103,13 @@ impl ReplicationConnection {
     ///
     /// `config` comes from a `postgres://` URL or a key=value string (tokio-postgres' parser);
     /// the first host is used; a host starting with `/` is a Unix-socket directory.
-    /// `application_name` shows up in `pg_stat_replication` and the server log.
+    /// `application_name` shows up in `pg_stat_replication` and the server log. The whole
+    /// handshake, from the TCP connect to the first ReadyForQuery, is bounded by the URL's
+    /// `connect_timeout` ([`crate::config::connect_timeout`], 10 s when unset).
     ///
     /// # Errors
-    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::Io`] when the connect fails;
+    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::ConnectTimeout`] when the
+    /// handshake does not finish in time; [`Error::Io`] when the connect fails;
     /// [`Error::Server`] when authentication or the startup is refused (for example `42501`
     /// when the role lacks `REPLICATION`); [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
     pub async fn connect(
@@ -117,6 +121,21 @@ impl ReplicationConnection {
                 mode: "require".into(),
             });
         }
+        let timeout = crate::config::connect_timeout(config);
+        tokio::time::timeout(timeout, Self::handshake(config, application_name))
+            .await
+            .map_err(|_| Error::ConnectTimeout {
+                target: crate::config::describe_postgres_target(config),
+                timeout_s: timeout.as_secs(),
+            })?
+    }
+
+    /// TCP connect, startup message, authentication, up to ReadyForQuery (unbounded: the
+    /// caller bounds it).
+    async fn handshake(
+        config: &tokio_postgres::Config,
+        application_name: &str,
+    ) -> Result<ReplicationConnection, Error> {
         let user = config
             .get_user()
             .ok_or_else(|| Error::Settings("no user in the database URL".into()))?
@@ -127,29 +146,31 @@ impl ReplicationConnection {
             .cloned()
             .unwrap_or_else(|| Host::Unix("/var/run/postgresql".into()));
         let port = config.get_ports().first().copied().unwrap_or(5432);
-        let socket: Box<dyn Socket> = tokio::time::timeout(CONNECT_TIMEOUT, async {
-            match &host {
-                Host::Tcp(name) => {
-                    let s = TcpStream::connect((name.as_str(), port)).await?;
-                    s.set_nodelay(true)?;
-                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
-                }
-                Host::Unix(dir) => {
-                    let path = dir.join(format!(".s.PGSQL.{port}"));
-                    let s = UnixStream::connect(path).await?;
-                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
-                }
+        let socket: Box<dyn Socket> = match &host {
+            Host::Tcp(name) => {
+                let s = TcpStream::connect((name.as_str(), port))
+                    .await
+                    .map_err(|source| Error::Io {
+                        context: "connecting",
+                        source,
+                    })?;
+                s.set_nodelay(true).map_err(|source| Error::Io {
+                    context: "connecting",
+                    source,
+                })?;
+                Box::new(s)
             }
-        })
-        .await
-        .map_err(|_| Error::Io {
-            context: "connecting",
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
-        })?
-        .map_err(|source| Error::Io {
-            context: "connecting",
-            source,
-        })?;
+            Host::Unix(dir) => {
+                let path = dir.join(format!(".s.PGSQL.{port}"));
+                let s = UnixStream::connect(path)
+                    .await
+                    .map_err(|source| Error::Io {
+                        context: "connecting",
+                        source,
+                    })?;
+                Box::new(s)
+            }
+        };
 
         let mut conn = ReplicationConnection {
             socket,
@@ -175,15 +196,7 @@ impl ReplicationConnection {
             },
         )?;
         conn.flush("sending the startup message").await?;
-        tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            conn.authenticate(&user, config.get_password()),
-        )
-        .await
-        .map_err(|_| Error::Io {
-            context: "authenticating",
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "authentication timed out"),
-        })??;
+        conn.authenticate(&user, config.get_password()).await?;
         Ok(conn)
     }
 

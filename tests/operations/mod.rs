@@ -87,7 +87,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
                 "--publication".into(),
                 ob.publication.clone(),
             ],
-            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup` first",
+            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup --slot no_such_slot` first",
         ),
         (
             vec![
@@ -148,6 +148,13 @@ async fn run_refuses_bad_settings_before_touching_anything() {
 async fn streams_with_scram_md5_cleartext_and_a_unix_socket() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "ops_auth").await;
+    // setup ran as the superuser: the password roles get what `run` writes (as
+    // sql/roles.example.sql grants it), or run refuses up front.
+    ob.sql(
+        "GRANT USAGE ON SCHEMA outbox TO pw_scram, pw_md5, pw_cleartext; \
+         GRANT SELECT, INSERT ON outbox.dead_letter TO pw_scram, pw_md5, pw_cleartext; \
+         GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pw_scram, pw_md5, pw_cleartext;",
+    );
     let socket = format!(
         "host={} port={} user=postgres dbname={}",
         pg.socket_dir().display(),
