@@ -3,6 +3,7 @@
 mod support;
 
 mod chaos;
+mod cli;
 mod end_to_end;
 mod faults;
 mod harness_smoke;
