@@ -595,7 +595,7 @@ pub async fn requeue_dead_letters(
     let rows = tx
         .query(
             &format!(
-                "SELECT id, envelope,
+                "SELECT id,
                         to_char(requeued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
                  FROM outbox.dead_letter WHERE {clause}{unrequeued} ORDER BY id FOR UPDATE"
             ),
@@ -613,31 +613,40 @@ pub async fn requeue_dead_letters(
             .collect();
         refused.extend(missing.into_iter().map(|id| (id, RequeueRefusal::NotFound)));
     }
-    let mut picked: Vec<(i64, Vec<u8>)> = Vec::with_capacity(rows.len());
+    let mut picked: Vec<i64> = Vec::with_capacity(rows.len());
     for row in &rows {
-        let (id, envelope, requeued_at): (i64, Vec<u8>, Option<String>) =
-            (row.get(0), row.get(1), row.get(2));
+        let (id, requeued_at): (i64, Option<String>) = (row.get(0), row.get(1));
         if let Some(at) = requeued_at {
             refused.push((id, RequeueRefusal::AlreadyRequeued(at)));
-        } else if let Err(e) = crate::envelope::decode(bytes::Bytes::from(envelope.clone())) {
-            refused.push((id, RequeueRefusal::Undecodable(e.to_string())));
-        } else {
-            picked.push((id, envelope));
+            continue;
+        }
+        // One envelope in memory at a time: too_large rows are large by definition.
+        let envelope: Vec<u8> = tx
+            .query_one(
+                "SELECT envelope FROM outbox.dead_letter WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(|e| Error::sql(format!("reading dead letter {id}"), e))?
+            .get(0);
+        match crate::envelope::decode(bytes::Bytes::from(envelope)) {
+            Ok(_) => picked.push(id),
+            Err(e) => refused.push((id, RequeueRefusal::Undecodable(e.to_string()))),
         }
     }
     if !refused.is_empty() {
         refused.sort_by_key(|(id, _)| *id);
         return Err(Error::Precondition(describe_refusals(&refused)));
     }
-    for (id, envelope) in &picked {
+    for id in &picked {
         tx.execute(
-            "SELECT pg_logical_emit_message(true, 'pgoutbox', $1::bytea)",
-            &[envelope],
+            "SELECT pg_logical_emit_message(true, 'pgoutbox', envelope) FROM outbox.dead_letter WHERE id = $1",
+            &[id],
         )
         .await
         .map_err(|e| Error::sql(format!("re-emitting dead letter {id}"), e))?;
     }
-    let ids: Vec<i64> = picked.iter().map(|(id, _)| *id).collect();
+    let ids = picked;
     tx.execute(
         "UPDATE outbox.dead_letter SET requeued_at = now() WHERE id = ANY($1)",
         &[&ids],
