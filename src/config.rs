@@ -170,16 +170,29 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
     }
 }
 
-/// Replaces the password in a URL with `***` for logs and `Debug`.
+/// Replaces the password in a URL with `***` for logs and `Debug`; a URL without one is
+/// returned as written (not normalised), so an error shows the value the operator typed.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("***"));
             u.to_string()
         }
-        Ok(u) => u.to_string(),
+        Ok(_) => url.to_owned(),
         Err(_) if url.contains("password") => "<redacted connection string>".into(),
-        Err(_) => url.to_owned(),
+        // Not a URL the parser accepts, yet it may carry `user:secret@`: mask what lies
+        // between the first ':' after the scheme and the last '@' (indices of ASCII
+        // characters, so always character boundaries).
+        Err(_) => match url.split_once("://") {
+            Some((scheme, rest)) => match rest.rsplit_once('@') {
+                Some((userinfo, host)) => match userinfo.split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                    None => url.to_owned(),
+                },
+                None => url.to_owned(),
+            },
+            None => url.to_owned(),
+        },
     }
 }
 
@@ -295,6 +308,17 @@ impl RunConfig {
                 setting: "--amqp-url",
                 value: redact_url(&self.amqp_url),
                 rule: "amqps:// asks for TLS, which is not supported yet".into(),
+            });
+        }
+        // Parsed here as the broker client will parse it, so a malformed URL is a usage
+        // error at start, not a connect failure retried for ever.
+        if let Err(e) = self.amqp_url.parse::<lapin::uri::AMQPUri>() {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: redact_url(&self.amqp_url),
+                rule: format!(
+                    "not an AMQP URL ({e}); expected amqp://user:password@host:port/vhost"
+                ),
             });
         }
         validate_identifier("--slot", &self.slot)?;
@@ -440,6 +464,17 @@ mod tests {
             "postgres://u:***@h:5/db"
         );
         assert!(!redact_url("amqp://guest:guest@h/%2f").contains("guest@"));
+        // Unparseable, with a password: masked all the same.
+        assert_eq!(
+            redact_url("amqp://g:s3cr@t@h:99999999/%2f"),
+            "amqp://g:***@h:99999999/%2f"
+        );
+        assert_eq!(
+            redact_url("postgres://日:é@[::1/db"),
+            "postgres://日:***@[::1/db"
+        );
+        // Without a password, the text as written.
+        assert_eq!(redact_url("postgres://u@h/é"), "postgres://u@h/é");
     }
 
     #[test]
@@ -473,6 +508,28 @@ mod tests {
         let config = args.into_config();
         config.validate().unwrap();
         config
+    }
+
+    #[test]
+    fn malformed_broker_urls_are_refused_without_their_password() {
+        for (url, why) in [
+            ("amqp://g:secret@h:99999999/%2f", "invalid port number"),
+            ("amqp://g:secret@h/%2f?heartbeat=é", "invalid digit"),
+            ("amqp://g:secret@h/%2f?channel_max=70000", "too large"),
+            ("amqp://g:secret@[::1/%2f", "invalid IPv6"),
+        ] {
+            let mut c = base();
+            c.amqp_url = url.into();
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.setting, "--amqp-url", "{url}");
+            let text = e.to_string();
+            assert!(
+                text.contains(why)
+                    && text.contains("expected amqp://user:password@host:port/vhost"),
+                "{url}: {text}"
+            );
+            assert!(!text.contains("secret"), "{text}");
+        }
     }
 
     #[test]

@@ -157,6 +157,17 @@ async fn usage_errors_exit_2_and_other_errors_exit_1() {
             "invalid setting --max-in-flight (PGOUTBOX_MAX_IN_FLIGHT) = \"0\": must be from 1 to 1000000",
         ),
         (
+            "malformed broker URL",
+            pgoutbox(&[
+                "run",
+                "--database-url",
+                &url,
+                "--amqp-url",
+                "amqp://guest:s3cret@127.0.0.1:99999999/%2f",
+            ]),
+            "invalid setting --amqp-url (PGOUTBOX_AMQP_URL) = \"amqp://guest:***@127.0.0.1:99999999/%2f\": not an AMQP URL (invalid port number)",
+        ),
+        (
             "bad slot name",
             run(&["--slot", "Bad-Name"]),
             "invalid setting --slot (PGOUTBOX_SLOT) = \"Bad-Name\"",
