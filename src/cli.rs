@@ -207,10 +207,13 @@ pub struct RunArgs {
     /// Durable topic exchange to publish to (declared if absent).
     #[arg(long, env = "PGOUTBOX_EXCHANGE", default_value = DEFAULT_EXCHANGE)]
     pub exchange: String,
-    /// In-flight window: messages published and not yet confirmed (1 to 1000000).
+    /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
+    /// confirmed behind an earlier unconfirmed one), 1 to 1000000. A transaction is
+    /// acknowledged whole, so one larger than the window is still read to its end.
     #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = parse_whole_number::<usize>)]
     pub max_in_flight: usize,
-    /// In-flight window: payload bytes published and not yet confirmed (1 to 4294967296).
+    /// Window: bytes (logical message content) read and not yet acknowledged to Postgres,
+    /// 1 to 4294967296.
     #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_in_flight_bytes: usize,
     /// Seconds to keep retrying a slot held by another process before exiting; 0 waits
@@ -244,6 +247,12 @@ pub struct RunArgs {
     /// (0 to 100000).
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,
+    /// The broker's max_message_size in bytes, if known: payloads larger than this are
+    /// dead-lettered as too_large without publishing. Unset: pgoutbox learns the limit the
+    /// first time RabbitMQ refuses a message for its size (406, channel closed).
+    /// 1 to 536870912 (RabbitMQ's own ceiling).
+    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES", value_parser = parse_whole_number::<usize>)]
+    pub broker_max_message_bytes: Option<usize>,
 }
 
 impl RunArgs {
@@ -271,6 +280,7 @@ impl RunArgs {
             },
             max_attempts: self.max_attempts,
             max_message_bytes: self.max_message_bytes,
+            broker_max_message_bytes: self.broker_max_message_bytes,
             failpoint: self.failpoint,
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             read_coalesce: Duration::from_micros(self.read_coalesce_us),

@@ -49,8 +49,9 @@ pub const MAX_IN_FLIGHT_CAP: usize = 1_000_000;
 /// Largest accepted `--max-in-flight-bytes`: 4 GiB, 256 times the default. The window's
 /// payloads are held in memory, so this is the memory an operator agrees to spend on them.
 pub const MAX_IN_FLIGHT_BYTES_CAP: usize = 4 * 1024 * 1024 * 1024;
-/// Largest accepted `--max-message-bytes`: 512 MiB, RabbitMQ's hard upper limit for its
-/// own `max_message_size`: a larger message could never be published.
+/// Largest accepted `--max-message-bytes` and `--broker-max-message-bytes`: 512 MiB,
+/// RabbitMQ's hard upper limit for its own `max_message_size`: a larger message could never
+/// be published.
 pub const MAX_MESSAGE_BYTES_CAP: usize = 512 * 1024 * 1024;
 /// Largest accepted `--max-attempts`: 1,000. With the nack retry backoff capped at 5 s that
 /// is more than an hour of retrying one message while everything behind it waits.
@@ -252,8 +253,13 @@ pub struct RunConfig {
     pub on_unroutable: UnroutablePolicy,
     /// Publish attempts for a nacked message before it is dead-lettered (at least 1).
     pub max_attempts: u32,
-    /// Payloads larger than this (bytes) are dead-lettered as `too_large`.
+    /// Logical messages (the whole envelope, in bytes) larger than this are dead-lettered
+    /// as `too_large`.
     pub max_message_bytes: usize,
+    /// The broker's `max_message_size` (payload bytes), when the operator knows it: larger
+    /// payloads are dead-lettered as `too_large` before publishing. `None`: learned from
+    /// the broker's channel close the first time it refuses a message.
+    pub broker_max_message_bytes: Option<usize>,
     /// A crash injected for fault tests (`None` in production).
     pub failpoint: Option<Failpoint>,
     /// How long shutdown waits for outstanding confirms.
@@ -284,6 +290,7 @@ impl std::fmt::Debug for RunConfig {
             .field("on_unroutable", &self.on_unroutable)
             .field("max_attempts", &self.max_attempts)
             .field("max_message_bytes", &self.max_message_bytes)
+            .field("broker_max_message_bytes", &self.broker_max_message_bytes)
             .field("instance_id", &self.instance_id)
             .finish()
     }
@@ -351,6 +358,15 @@ impl RunConfig {
             MAX_MESSAGE_BYTES_CAP,
             "bytes",
         )?;
+        if let Some(broker_max) = self.broker_max_message_bytes {
+            check_range(
+                "--broker-max-message-bytes",
+                broker_max,
+                1,
+                MAX_MESSAGE_BYTES_CAP,
+                "bytes",
+            )?;
+        }
         check_range(
             "--max-attempts",
             self.max_attempts,
@@ -536,7 +552,7 @@ mod tests {
     fn every_numeric_and_duration_setting_has_bounds() {
         type Set = fn(&mut RunConfig, u64);
         // (setting, how to set it, lowest accepted, highest accepted)
-        let cases: [(&str, Set, u64, u64); 7] = [
+        let cases: [(&str, Set, u64, u64); 8] = [
             (
                 "--max-in-flight",
                 |c, v| c.max_in_flight = v as usize,
@@ -552,6 +568,12 @@ mod tests {
             (
                 "--max-message-bytes",
                 |c, v| c.max_message_bytes = v as usize,
+                1,
+                512 << 20,
+            ),
+            (
+                "--broker-max-message-bytes",
+                |c, v| c.broker_max_message_bytes = Some(v as usize),
                 1,
                 512 << 20,
             ),

@@ -54,6 +54,38 @@ pub enum Error {
     /// The WAL stream was not in the order pgoutput promises.
     #[error("unexpected replication stream: {0}")]
     Stream(String),
+    /// A frame of the replication stream could not be decoded (retried: a reconnect reads
+    /// it again).
+    #[error("could not decode the pgoutput message at LSN {lsn}: {reason}")]
+    Decode {
+        /// The XLogData's WAL start.
+        lsn: Lsn,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// The same frame failed to decode in several sessions in a row: a definite error.
+    #[error("the pgoutput message at LSN {lsn} failed to decode {attempts} times in a row ({reason}); reconnecting reads the same bytes again, so pgoutbox stops. Nothing at or after {lsn} was acknowledged. Inspect it with pg_logical_slot_peek_binary_changes (with the streamer stopped) and report it; skipping it means advancing the slot past it with pg_replication_slot_advance, which loses whatever it holds")]
+    UndecodableWal {
+        /// The XLogData's WAL start.
+        lsn: Lsn,
+        /// Sessions that failed there.
+        attempts: u32,
+        /// The decode error.
+        reason: String,
+    },
+    /// A connection was lost while shutdown was draining confirms: the messages still
+    /// unsettled were not acknowledged (they are sent again on restart), and the exit
+    /// status says so.
+    #[error("shutdown was interrupted with {unsettled} messages unsettled: acknowledged up to {flushed} only (they will be sent again on restart)")]
+    DrainInterrupted {
+        /// Messages still unsettled.
+        unsettled: u64,
+        /// The last acknowledged LSN.
+        flushed: Lsn,
+        /// The failure that interrupted the drain.
+        #[source]
+        cause: Box<Error>,
+    },
     /// Shutdown could not drain outstanding confirms in time.
     #[error("shutdown timed out with {unconfirmed} messages unconfirmed; acknowledged up to {flushed} only (they will be sent again on restart)")]
     ShutdownTimeout {
@@ -81,6 +113,8 @@ impl Error {
             | Error::Precondition(_)
             | Error::SlotLost { .. }
             | Error::SlotBusy { .. }
+            | Error::UndecodableWal { .. }
+            | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,
             Error::Replication(e) => {
                 !matches!(

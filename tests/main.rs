@@ -6,6 +6,7 @@ mod chaos;
 mod cli;
 mod end_to_end;
 mod faults;
+mod hardening;
 mod harness_smoke;
 mod operations;
 mod proxy_smoke;

@@ -155,18 +155,26 @@ pub enum StatusUpdateKind {
     KeepaliveReply,
     /// The final update before a clean shutdown, carrying the last flushed position.
     ShutdownFlush,
+    /// A periodic update sent while nothing is pending and the flush position is behind the
+    /// newest WAL position seen: it asks the server for a primary keepalive, whose `walEnd`
+    /// the idle watermark may then take (the walsender would otherwise send none).
+    IdleProbe,
 }
 
 impl StatusUpdateKind {
     /// Whether the update asks the server to reply immediately (the reply-requested byte).
     ///
-    /// True only for [`StatusUpdateKind::ShutdownFlush`]: the server then answers with a
+    /// True for [`StatusUpdateKind::ShutdownFlush`]: the server then answers with a
     /// Primary keepalive, and receiving it proves the server has read our final status
     /// update (and so recorded the flushed position in the slot's memory) before we close
-    /// the connection. Asking for replies in the other cases would only add traffic.
+    /// the connection. True for [`StatusUpdateKind::IdleProbe`], whose point is the
+    /// keepalive it brings. Asking for replies in the other cases would only add traffic.
     #[must_use]
     pub fn request_reply(self) -> bool {
-        matches!(self, StatusUpdateKind::ShutdownFlush)
+        matches!(
+            self,
+            StatusUpdateKind::ShutdownFlush | StatusUpdateKind::IdleProbe
+        )
     }
 }
 
@@ -391,10 +399,28 @@ mod tests {
     }
 
     #[test]
-    fn now_is_after_2020() {
-        // 2020-01-01 is 631_152_000 s after 2000-01-01.
+    fn now_counts_from_the_postgres_epoch() {
+        // 1970-01-01 to 2000-01-01: 30 years of 365 days plus 7 leap days (1972 ... 1996),
+        // worked out here rather than taken from the constant under test.
+        const PG_EPOCH_UNIX_S: u64 = (30 * 365 + 7) * 86_400;
+        assert_eq!(PG_EPOCH_UNIX_S, 946_684_800);
+        let unix_us = || {
+            let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+            i64::try_from(d.as_micros()).unwrap()
+        };
+        let offset_us = i64::try_from(PG_EPOCH_UNIX_S * 1_000_000).unwrap();
+        let before = unix_us() - offset_us;
         let now = now_pg_time_us();
+        let after = unix_us() - offset_us;
+        // The system clock may be stepped between the readings: allow a second either way,
+        // far less than the 30 years a missing or doubled offset is off by.
+        let tolerance_us = 1_000_000;
+        assert!(
+            before - tolerance_us <= now && now <= after + tolerance_us,
+            "now_pg_time_us() = {now}, expected between {before} and {after} \
+             (system time minus {PG_EPOCH_UNIX_S} s)"
+        );
+        // 2020-01-01 is 631_152_000 s after 2000-01-01.
         assert!(now > 631_152_000_000_000, "{now}");
-        assert!(now < 4_000_000_000_000_000, "{now}");
     }
 }

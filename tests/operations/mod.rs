@@ -264,7 +264,7 @@ async fn second_instance_waits_names_the_holder_and_never_publishes() {
     assert_eq!(status.map(|s| s.success()), Some(false));
     let log = bounded.log();
     assert!(
-        log.contains("slot is active in another process; waiting"),
+        log.contains("slot is active in another process; standing by"),
         "{log}"
     );
     assert!(log.contains("pgoutbox-first"), "names the holder: {log}");

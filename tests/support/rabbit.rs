@@ -36,16 +36,21 @@ impl RabbitMq {
     /// when the test process exits). Use unique exchange/queue names on it,
     /// and never block/stop it: use [`RabbitMq::start_private`] for that.
     pub fn shared() -> &'static RabbitMq {
-        SHARED.get_or_init(|| RabbitMq::start_new(false))
+        SHARED.get_or_init(|| RabbitMq::start_new(false, ""))
     }
 
     /// A private node (for block/unblock, stop_app, closing connections…);
     /// stopped on Drop.
     pub fn start_private() -> RabbitMq {
-        RabbitMq::start_new(true)
+        RabbitMq::start_new(true, "")
     }
 
-    fn start_new(private: bool) -> RabbitMq {
+    /// A private node with extra `rabbitmq.conf` lines (e.g. `max_message_size = 1048576`).
+    pub fn start_private_with(extra_conf: &str) -> RabbitMq {
+        RabbitMq::start_new(true, extra_conf)
+    }
+
+    fn start_new(private: bool, extra_conf: &str) -> RabbitMq {
         let t0 = Instant::now();
         let bin = find_bin_dir();
         let root = make_server_dir("pgoutbox-rmq-");
@@ -80,7 +85,8 @@ impl RabbitMq {
                 "listeners.tcp.default = 127.0.0.1:{amqp_port}\n\
                  loopback_users.guest = true\n\
                  log.file.level = info\n\
-                 log.console = false\n"
+                 log.console = false\n\
+                 {extra_conf}\n"
             ),
         )
         .unwrap();

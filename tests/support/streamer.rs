@@ -18,14 +18,17 @@ pub struct Streamer {
 }
 
 impl Streamer {
-    /// Spawn `pgoutbox ARGS` with extra environment `env`.
+    /// Spawn `pgoutbox ARGS` with extra environment `env`. `PGOUTBOX_TEST_BIN` names
+    /// another binary to run instead (to see a new test fail on an older build).
     pub fn spawn<A, K, V>(args: &[A], env: &[(K, V)]) -> Streamer
     where
         A: AsRef<std::ffi::OsStr>,
         K: AsRef<std::ffi::OsStr>,
         V: AsRef<std::ffi::OsStr>,
     {
-        Streamer::spawn_program(env!("CARGO_BIN_EXE_pgoutbox"), args, env)
+        let program = std::env::var("PGOUTBOX_TEST_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").to_owned());
+        Streamer::spawn_program(&program, args, env)
     }
 
     /// Spawn an arbitrary program the same way (handy for tests of the harness).

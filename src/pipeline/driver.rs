@@ -1,0 +1,535 @@
+//! Sessions and reconnects: connect both sides, stream until shutdown or the first failure,
+//! and decide what comes next.
+//!
+//! Every wait here (connecting to Postgres or RabbitMQ, a handshake, the slot held by
+//! another process, the backoff between sessions) ends promptly on SIGINT/SIGTERM; nothing
+//! is in flight during those waits, so such an exit is clean (exit status 0).
+//!
+//! What one session hands to the next ([`SessionMemory`]): the LSN it knows to be settled
+//! (so a reconnect re-sends at most what was not confirmed), the broker's message size
+//! limit once RabbitMQ revealed it by closing the channel, and how often the same WAL
+//! position failed to decode.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::dead_letter::DeadLetterWriter;
+use super::event_loop::Core;
+use super::RunSummary;
+use crate::admin;
+use crate::config::{parse_database_url, RunConfig};
+use crate::error::Error;
+use crate::lsn::Lsn;
+use crate::publisher::{Publisher, PublisherConfig};
+use crate::replication::connect::ReplicationConnection;
+use crate::replication::session::ReplicationStream;
+
+/// How long closing the broker connection and the replication stream may take.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long connecting to the broker may take (a black-holed host never answers).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Healthy-session length after which the reconnect backoff starts again from its minimum.
+const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+/// Bounds of the delay between two sessions; jitter stays inside the cap.
+pub const RECONNECT_MIN: Duration = Duration::from_millis(500);
+/// See [`RECONNECT_MIN`]: the longest wait between two sessions.
+pub const RECONNECT_MAX: Duration = Duration::from_secs(30);
+/// Bounds of the delay between two tries of a slot held by another process (a standby).
+const SLOT_BUSY_MIN: Duration = Duration::from_millis(250);
+/// See [`SLOT_BUSY_MIN`]: the longest wait between two tries.
+pub const SLOT_BUSY_MAX: Duration = Duration::from_secs(10);
+/// A frame that fails to decode this many times in a row at the same LSN is a definite
+/// error: reconnecting will only read the same bytes again.
+pub const DECODE_FAILURE_LIMIT: u32 = 3;
+
+/// Capped exponential backoff with jitter (backon), the cap applied after the jitter.
+fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(min)
+        .with_max_delay(max)
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .map(move |d| d.min(max))
+}
+
+/// What one session leaves to the next.
+#[derive(Debug, Default)]
+pub(super) struct SessionMemory {
+    /// The last LSN this process knows to be settled (`None` before the first session).
+    pub resume: Option<Lsn>,
+    /// The broker's `max_message_size` in bytes, from `--broker-max-message-bytes` or learned
+    /// from a channel close (406 PRECONDITION_FAILED, "message size N is larger than
+    /// configured max size M"), with the broker's text.
+    pub broker_limit: Option<BrokerLimit>,
+    /// Messages not settled when the last session ended.
+    pub unsettled_at_end: u64,
+    /// The LSN of the last frame that failed to decode, and how many sessions in a row
+    /// failed there.
+    decode_failures: Option<(Lsn, u32)>,
+}
+
+/// The broker's message body size limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct BrokerLimit {
+    /// Largest body RabbitMQ accepts, in bytes.
+    pub max_bytes: usize,
+    /// Where the figure comes from, for the dead letter's error text.
+    pub source: String,
+}
+
+/// Resolves once shutdown was requested (or the sender is gone).
+///
+/// # Cancel safety
+/// Cancel safe (`watch::Receiver::wait_for`).
+async fn shutdown_requested(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+/// Streams until `shutdown` turns true (then drains) or a definite error, reconnecting with
+/// capped exponential backoff and jitter ([`RECONNECT_MIN`] to [`RECONNECT_MAX`]) after every
+/// retryable failure (broker or Postgres connection lost, channel closed, server restart).
+///
+/// Each session starts from the slot (and from the last LSN this process knows to be
+/// settled, when that is further), so a reconnect re-sends at most what was not confirmed.
+///
+/// # Errors
+/// Definite errors only: configuration and precondition errors, a lost slot,
+/// [`Error::SlotBusy`] when `slot_busy_timeout` is set, [`Error::ShutdownTimeout`],
+/// [`Error::DrainInterrupted`] when a connection was lost while shutdown was draining
+/// confirms, [`Error::UndecodableWal`]. On every path nothing past the last settled
+/// transaction has been acknowledged.
+pub async fn run(
+    config: RunConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<RunSummary, Error> {
+    config.validate()?;
+    let pg = parse_database_url(&config.database_url)?;
+    let mut memory = SessionMemory {
+        broker_limit: config
+            .broker_max_message_bytes
+            .map(|max_bytes| BrokerLimit {
+                max_bytes,
+                source: format!("--broker-max-message-bytes {max_bytes}"),
+            }),
+        ..SessionMemory::default()
+    };
+    let mut summary = RunSummary::default();
+    let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
+    loop {
+        let began = Instant::now();
+        let result = run_session(&config, &pg, shutdown.clone(), &mut memory, &mut summary).await;
+        let error = match result {
+            Ok(()) => return Ok(summary),
+            Err(e) => e,
+        };
+        let error = memory.note_decode_failure(error);
+        if !error.is_retryable() {
+            return Err(error);
+        }
+        if *shutdown.borrow() {
+            if memory.unsettled_at_end > 0 {
+                return Err(Error::DrainInterrupted {
+                    unsettled: memory.unsettled_at_end,
+                    flushed: summary.flushed,
+                    cause: Box::new(error),
+                });
+            }
+            tracing::warn!(error = %error, "session failed during shutdown with nothing in flight");
+            return Ok(summary);
+        }
+        if began.elapsed() > HEALTHY_SESSION {
+            delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
+        }
+        let delay = delays.next().unwrap_or(RECONNECT_MAX);
+        summary.reconnects += 1;
+        tracing::warn!(
+            error = %crate::error::render_report(&error),
+            retry_in_ms = delay.as_millis() as u64,
+            resume_lsn = %memory.resume.unwrap_or_default(),
+            "session failed; reconnecting"
+        );
+        tokio::select! {
+            biased;
+            _ = shutdown_requested(&mut shutdown) => return Ok(summary),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+impl SessionMemory {
+    /// Counts decode failures at one LSN across sessions; the [`DECODE_FAILURE_LIMIT`]th
+    /// becomes [`Error::UndecodableWal`]. Any other outcome resets the count.
+    fn note_decode_failure(&mut self, error: Error) -> Error {
+        let Error::Decode { lsn, reason } = &error else {
+            self.decode_failures = None;
+            return error;
+        };
+        let count = match self.decode_failures {
+            Some((at, n)) if at == *lsn => n + 1,
+            _ => 1,
+        };
+        self.decode_failures = Some((*lsn, count));
+        if count >= DECODE_FAILURE_LIMIT {
+            return Error::UndecodableWal {
+                lsn: *lsn,
+                attempts: count,
+                reason: reason.clone(),
+            };
+        }
+        error
+    }
+}
+
+/// Both connections and the broker, ready to stream.
+struct Connected {
+    stream: ReplicationStream,
+    interval: Duration,
+    publisher: Publisher<u64>,
+    dead_letters: DeadLetterWriter,
+    start: Lsn,
+}
+
+/// One session: connect (racing shutdown), stream, and return on shutdown (`Ok`) or the
+/// first failure. `memory` carries what the next session needs.
+async fn run_session(
+    config: &RunConfig,
+    pg: &tokio_postgres::Config,
+    mut shutdown: watch::Receiver<bool>,
+    memory: &mut SessionMemory,
+    summary: &mut RunSummary,
+) -> Result<(), Error> {
+    memory.unsettled_at_end = 0;
+    let connected = tokio::select! {
+        biased;
+        _ = shutdown_requested(&mut shutdown) => {
+            tracing::info!("shutdown requested while connecting; nothing was in flight");
+            return Ok(());
+        }
+        c = connect(config, pg, memory.resume) => c?,
+    };
+    let Connected {
+        stream,
+        interval,
+        mut publisher,
+        dead_letters,
+        start,
+    } = connected;
+    let mut core = Core::new(
+        config.clone(),
+        stream,
+        dead_letters,
+        start,
+        interval,
+        memory.broker_limit.clone(),
+        std::mem::take(summary),
+    );
+    let result = core.run_loop(&mut publisher, shutdown).await;
+    memory.resume = Some(core.flushed());
+    memory.unsettled_at_end = core.unsettled();
+    if let Some(limit) = core.broker_limit() {
+        memory.broker_limit = Some(limit);
+    }
+    let (stream, dead_letters, finished) = core.into_parts();
+    *summary = finished;
+    // Closing talks to peers that may be gone or black-holed: never wait long for it.
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, publisher.close()).await;
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
+    dead_letters.stop();
+    if result.is_ok() {
+        tracing::info!(
+            published = summary.published,
+            retried = summary.retried,
+            confirmed = summary.confirmed,
+            dead_lettered = summary.dead_lettered,
+            reconnects = summary.reconnects,
+            flushed_lsn = %summary.flushed,
+            "stopped; every message was settled (published counts every attempt, including retries and re-sends after reconnects)"
+        );
+    }
+    result
+}
+
+/// Connects the SQL session, runs the pre-flight checks, connects the broker and the
+/// dead-letter writer, and starts streaming.
+async fn connect(
+    config: &RunConfig,
+    pg: &tokio_postgres::Config,
+    resume: Option<Lsn>,
+) -> Result<Connected, Error> {
+    let sql = admin::connect(pg).await?;
+    admin::preflight(&sql, &config.slot, &config.publication).await?;
+    let application_name = format!("pgoutbox-{}", config.instance_id);
+    warn_if_synchronous_standby(&sql, &application_name).await;
+    let dead_letters = DeadLetterWriter::connect(pg).await?;
+    let publisher_config = PublisherConfig {
+        amqp_url: config.amqp_url.clone(),
+        exchange: config.exchange.clone(),
+        connection_name: format!("pgoutbox {}", config.instance_id),
+    };
+    let publisher = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        Publisher::<u64>::connect(&publisher_config),
+    )
+    .await
+    .map_err(|_| {
+        Error::BrokerLost(format!(
+            "connecting to {} timed out after {} s (no answer to the AMQP handshake)",
+            crate::config::redact_url(&config.amqp_url),
+            CONNECT_TIMEOUT.as_secs()
+        ))
+    })??;
+    let hint = resume.unwrap_or(Lsn::ZERO);
+    let (stream, interval) = start_stream(config, pg, &sql, &application_name, hint).await?;
+    // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
+    let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
+    let start = slot_lsn.max(hint);
+    tracing::info!(
+        slot = %config.slot,
+        publication = %config.publication,
+        exchange = %config.exchange,
+        start_lsn = %start,
+        slot_confirmed_flush_lsn = %slot_lsn,
+        status_interval_ms = interval.as_millis() as u64,
+        max_in_flight = config.max_in_flight,
+        max_in_flight_bytes = config.max_in_flight_bytes,
+        "streaming"
+    );
+    Ok(Connected {
+        stream,
+        interval,
+        publisher,
+        dead_letters,
+        start,
+    })
+}
+
+/// Warns when `synchronous_standby_names` could pick this streamer's walsender as a
+/// synchronous standby: producers' commits would then wait for pgoutbox's flush LSN, which
+/// waits for the broker. (pgoutbox's own dead-letter commits use `synchronous_commit =
+/// local`, so they never wait on themselves.)
+async fn warn_if_synchronous_standby(sql: &tokio_postgres::Client, application_name: &str) {
+    let Ok(row) = sql.query_one("SHOW synchronous_standby_names", &[]).await else {
+        return;
+    };
+    let names: String = row.get(0);
+    if synchronous_names_may_select(&names, application_name) {
+        tracing::warn!(
+            synchronous_standby_names = %names,
+            application_name,
+            "synchronous_standby_names can select pgoutbox's walsender as a synchronous standby: commits would wait for the outbox to reach RabbitMQ. Name the physical standbys explicitly instead of '*'"
+        );
+    }
+}
+
+/// Whether a `synchronous_standby_names` value may name `application_name` (or `*`).
+fn synchronous_names_may_select(names: &str, application_name: &str) -> bool {
+    let names = names.trim();
+    if names.is_empty() {
+        return false;
+    }
+    names
+        .split(|c: char| c == ',' || c == '(' || c == ')' || c.is_whitespace())
+        .map(|n| n.trim().trim_matches('"'))
+        .any(|n| n == "*" || n.eq_ignore_ascii_case(application_name))
+}
+
+/// Parses a PostgreSQL duration setting as `SHOW` prints it (`60s`, `1min`, `500ms`, `0`).
+fn parse_pg_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (num, unit) = text.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let ms = match unit.trim() {
+        "" | "ms" => n,
+        "s" => n.checked_mul(1000)?,
+        "min" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        "d" => n.checked_mul(86_400_000)?,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+/// The periodic status interval for a server `wal_sender_timeout` (`None`: unknown or 0 =
+/// disabled): a third of the timeout, at most [`crate::config::MAX_STATUS_INTERVAL`], at
+/// least 100 ms.
+fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
+    use crate::config::MAX_STATUS_INTERVAL;
+    match wal_sender_timeout {
+        Some(t) if !t.is_zero() => (t / 3).clamp(Duration::from_millis(100), MAX_STATUS_INTERVAL),
+        _ => MAX_STATUS_INTERVAL,
+    }
+}
+
+/// Opens the replication connection and starts streaming at `start` (the server starts at
+/// the slot's confirmed_flush_lsn when that is further). While another process holds the
+/// slot it waits with backoff ([`SLOT_BUSY_MIN`] to [`SLOT_BUSY_MAX`]), logging the holder,
+/// for `slot_busy_timeout` (forever when `None`: a standby). The caller races this against
+/// shutdown.
+async fn start_stream(
+    config: &RunConfig,
+    pg: &tokio_postgres::Config,
+    sql: &tokio_postgres::Client,
+    application_name: &str,
+    start: Lsn,
+) -> Result<(ReplicationStream, Duration), Error> {
+    let began = Instant::now();
+    let mut delays = backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX);
+    let options = [
+        ("proto_version", "1"),
+        ("publication_names", config.publication.as_str()),
+        ("messages", "true"),
+    ];
+    loop {
+        let mut conn = ReplicationConnection::connect(pg, application_name).await?;
+        let identity = conn.identify_system().await?;
+        let timeout = conn
+            .show("wal_sender_timeout")
+            .await?
+            .as_deref()
+            .and_then(parse_pg_duration);
+        tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
+        match conn
+            .start_logical_replication(&config.slot, start, &options)
+            .await
+        {
+            Ok(stream) => return Ok((stream, status_interval(timeout))),
+            Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
+                let status = admin::slot_status(sql, &config.slot).await.ok();
+                let holder_pid = status
+                    .as_ref()
+                    .and_then(|s| s.active_pid)
+                    .map(|p| p.to_string())
+                    .unwrap_or_else(|| "unknown".into());
+                let holder_name = status
+                    .and_then(|s| s.holder)
+                    .unwrap_or_else(|| "unknown".into());
+                let waited = began.elapsed();
+                if let Some(limit) = config.slot_busy_timeout {
+                    if waited >= limit {
+                        return Err(Error::SlotBusy {
+                            slot: config.slot.clone(),
+                            holder_pid,
+                            holder_name,
+                            waited_s: waited.as_secs(),
+                        });
+                    }
+                }
+                let mut delay = delays.next().unwrap_or(SLOT_BUSY_MAX);
+                if let Some(limit) = config.slot_busy_timeout {
+                    delay = delay.min(limit.saturating_sub(waited) + Duration::from_millis(50));
+                }
+                tracing::warn!(
+                    slot = %config.slot,
+                    holder_pid = %holder_pid,
+                    holder = %holder_name,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "slot is active in another process; standing by"
+                );
+                tokio::time::sleep(delay).await;
+            }
+            // PostgreSQL 15: "can no longer get changes from replication slot" once
+            // max_slot_wal_keep_size invalidated it.
+            Err(e) if e.code() == Some("55000") => {
+                return Err(Error::SlotLost {
+                    slot: config.slot.clone(),
+                    confirmed_flush_lsn: admin::slot_status(sql, &config.slot)
+                        .await
+                        .ok()
+                        .and_then(|s| s.confirmed_flush_lsn)
+                        .unwrap_or_else(|| e.to_string()),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pg_durations() {
+        assert_eq!(parse_pg_duration("1min"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_pg_duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(parse_pg_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_pg_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_pg_duration("abc"), None);
+        assert_eq!(parse_pg_duration("18446744073709551615d"), None);
+    }
+
+    #[test]
+    fn status_interval_stays_well_inside_the_timeout() {
+        use crate::config::MAX_STATUS_INTERVAL;
+        assert_eq!(
+            status_interval(Some(Duration::from_secs(60))),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            status_interval(Some(Duration::from_secs(5))).as_millis(),
+            1666
+        );
+        assert_eq!(status_interval(Some(Duration::ZERO)), MAX_STATUS_INTERVAL);
+        assert_eq!(status_interval(None), MAX_STATUS_INTERVAL);
+    }
+
+    #[test]
+    fn backoff_never_exceeds_its_cap() {
+        let max = backoff(RECONNECT_MIN, RECONNECT_MAX)
+            .take(200)
+            .max()
+            .unwrap_or_default();
+        assert!(max <= RECONNECT_MAX, "{max:?}");
+        assert!(max >= RECONNECT_MAX / 2, "the cap is reached: {max:?}");
+        let first = backoff(RECONNECT_MIN, RECONNECT_MAX)
+            .next()
+            .unwrap_or_default();
+        assert!(
+            first >= RECONNECT_MIN && first <= RECONNECT_MIN * 2,
+            "{first:?}"
+        );
+        assert!(backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX)
+            .take(100)
+            .all(|d| d <= SLOT_BUSY_MAX));
+    }
+
+    #[test]
+    fn the_same_decode_failure_three_times_is_definite() {
+        let mut memory = SessionMemory::default();
+        let at = |lsn| Error::Decode {
+            lsn: Lsn(lsn),
+            reason: "truncated".into(),
+        };
+        assert!(memory.note_decode_failure(at(5)).is_retryable());
+        assert!(memory.note_decode_failure(at(5)).is_retryable());
+        let e = memory.note_decode_failure(at(5));
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("0/5"), "{e}");
+        // Another LSN, or any other failure in between, starts over.
+        let mut memory = SessionMemory::default();
+        memory.note_decode_failure(at(5));
+        memory.note_decode_failure(Error::BrokerLost("x".into()));
+        memory.note_decode_failure(at(5));
+        assert!(memory.note_decode_failure(at(6)).is_retryable());
+    }
+
+    #[test]
+    fn synchronous_standby_names_that_can_pick_us() {
+        let me = "pgoutbox-abc";
+        assert!(!synchronous_names_may_select("", me));
+        assert!(synchronous_names_may_select("*", me));
+        assert!(synchronous_names_may_select("ANY 1 (*)", me));
+        assert!(synchronous_names_may_select(
+            "FIRST 2 (s1, \"pgoutbox-abc\")",
+            me
+        ));
+        assert!(!synchronous_names_may_select("FIRST 1 (s1, s2)", me));
+    }
+}

@@ -1,0 +1,669 @@
+//! The main loop: one `select!` with written priorities, and frame handling.
+//!
+//! Every change of a message's state happens in this file, in four places: a message is
+//! read and published ([`Core::handle_logical`]), its broker outcome is applied
+//! ([`Core::apply_outcomes`]: routed, nacked, returned, failed), its dead letter is
+//! committed ([`Core::on_dead_letter_written`]), and a due retry is published again
+//! ([`Core::publish_due_retries`]). Each settle goes through [`Core::settle`], the only
+//! caller of [`AckWatermark::confirm`].
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::dead_letter::{DeadLetterWriter, Job, Written};
+use super::driver::BrokerLimit;
+use super::feedback::{Feedback, StallWatch};
+use super::in_flight::{InFlight, InFlightTable, Seq};
+use super::RunSummary;
+use crate::config::{Failpoint, RunConfig, UnroutablePolicy, MESSAGE_PREFIX};
+use crate::envelope;
+use crate::error::Error;
+use crate::lsn::Lsn;
+use crate::pgoutput::{self, LogicalMessage};
+use crate::publisher::{PublishOutcome, Publisher};
+use crate::replication::session::ReplicationStream;
+use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
+use crate::watermark::AckWatermark;
+
+/// Frames handled per loop turn before confirms and timers get another look.
+const FRAME_BATCH: usize = 2048;
+/// A read of fewer bytes than this delays the next one by `RunConfig::read_coalesce`.
+const COALESCE_BELOW_BYTES: usize = 64 * 1024;
+/// How long a session whose Postgres connection broke keeps collecting broker confirms, so
+/// messages already confirmed are not sent again after the reconnect.
+pub const PG_LOSS_DRAIN: Duration = Duration::from_secs(5);
+/// Retry delay bounds for a nacked message (doubling from the minimum).
+const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
+const NACK_RETRY_MAX: Duration = Duration::from_secs(5);
+/// Retry delay bound for a returned message under `--on-unroutable block`.
+const BLOCK_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Why the loop is draining.
+enum Drain {
+    /// SIGINT/SIGTERM: drain, send the final status update, return `Ok`.
+    Shutdown(Instant),
+    /// The Postgres connection broke: collect confirms for a while, then return the error.
+    PostgresLost(Instant, Error),
+}
+
+/// One session's streaming state.
+pub(super) struct Core {
+    stream: ReplicationStream,
+    dead_letters: DeadLetterWriter,
+    config: RunConfig,
+    wm: AckWatermark,
+    /// Highest WAL position seen (commit ends and keepalive ends): the "write" position.
+    received: Lsn,
+    feedback: Feedback,
+    stall: StallWatch,
+    /// The next read of a trickling stream waits until then (see `RunConfig::read_coalesce`).
+    next_read_at: Instant,
+    /// Begin of the open transaction: (commit record LSN, commit time µs since Unix epoch).
+    current_txn: Option<(Lsn, i64)>,
+    in_flight: InFlightTable,
+    /// The broker's message size limit, when known.
+    broker_limit: Option<BrokerLimit>,
+    summary: RunSummary,
+}
+
+impl Core {
+    pub fn new(
+        config: RunConfig,
+        stream: ReplicationStream,
+        dead_letters: DeadLetterWriter,
+        start: Lsn,
+        interval: Duration,
+        broker_limit: Option<BrokerLimit>,
+        summary: RunSummary,
+    ) -> Self {
+        Core {
+            stream,
+            dead_letters,
+            config,
+            wm: AckWatermark::new(start),
+            received: start,
+            feedback: Feedback::new(interval),
+            stall: StallWatch::new(),
+            next_read_at: Instant::now(),
+            current_txn: None,
+            in_flight: InFlightTable::default(),
+            broker_limit,
+            summary,
+        }
+    }
+
+    /// The LSN known to be settled.
+    pub fn flushed(&self) -> Lsn {
+        self.wm.flushed()
+    }
+
+    /// Messages not settled.
+    pub fn unsettled(&self) -> u64 {
+        self.wm.unconfirmed()
+    }
+
+    /// The broker's size limit, when known (perhaps learned in this session).
+    pub fn broker_limit(&self) -> Option<BrokerLimit> {
+        self.broker_limit.clone()
+    }
+
+    /// The stream, the writer and the summary (with the last flush LSN reported).
+    pub fn into_parts(self) -> (ReplicationStream, DeadLetterWriter, RunSummary) {
+        let mut summary = self.summary;
+        summary.flushed = self.feedback.last_sent_flush();
+        (self.stream, self.dead_letters, summary)
+    }
+
+    /// Room in the window: what is not yet acknowledged stays under `--max-in-flight`
+    /// messages and `--max-in-flight-bytes` payload bytes.
+    fn has_room(&self) -> bool {
+        let backlog = self.wm.backlog();
+        backlog.messages < self.config.max_in_flight as u64
+            && backlog.bytes < self.config.max_in_flight_bytes as u64
+    }
+
+    /// The main loop: one `select!` with written priorities.
+    ///
+    /// Priorities (highest first):
+    /// 1. shutdown signal (stop reading, start the bounded drain);
+    /// 2. the drain deadline;
+    /// 3. the status update deadline, which also checks the broker connection (never starved
+    ///    by confirms or WAL);
+    /// 4. broker confirm outcomes (a batch per turn);
+    /// 5. committed dead letters;
+    /// 6. retries that are due;
+    /// 7. new WAL from the socket, only while the window has room;
+    /// 8. frames already buffered (when a turn's frame batch ran out).
+    pub async fn run_loop(
+        &mut self,
+        publisher: &mut Publisher<Seq>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<(), Error> {
+        let mut drain: Option<Drain> = None;
+        if *shutdown.borrow() {
+            drain = Some(Drain::Shutdown(
+                Instant::now() + self.config.shutdown_timeout,
+            ));
+        }
+        let mut buffered = true;
+        self.send_status(StatusUpdateKind::Periodic).await?;
+        loop {
+            if drain.is_none() {
+                if let Err(e) = self.handle_buffered(publisher, &mut buffered).await {
+                    drain = self.on_error(e)?;
+                }
+            }
+            if drain.is_some() && self.wm.unconfirmed() == 0 {
+                if let Some(d) = drain.take() {
+                    return self.finish(d).await;
+                }
+            }
+            let status_deadline = self.feedback.deadline(&self.wm);
+            let drain_deadline = match &drain {
+                Some(Drain::Shutdown(t)) | Some(Drain::PostgresLost(t, _)) => Some(*t),
+                None => None,
+            };
+            let streaming = drain.is_none();
+            let pg_alive = !matches!(drain, Some(Drain::PostgresLost(..)));
+            let room = self.has_room();
+            let next_retry = self.in_flight.next_retry();
+            let writing = self.dead_letters.pending() > 0;
+            tokio::select! {
+                biased;
+                // PRIORITY 1: shutdown. Cancel safety: watch::Receiver::changed is cancel safe.
+                changed = shutdown.changed(), if streaming => {
+                    if changed.is_err() || *shutdown.borrow() {
+                        tracing::info!(unconfirmed = self.wm.unconfirmed(), "shutdown requested; draining confirms");
+                        drain = Some(Drain::Shutdown(Instant::now() + self.config.shutdown_timeout));
+                    }
+                }
+                // PRIORITY 2: drain deadline. Cancel safety: sleep_until is cancel safe.
+                _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
+                    return match drain.take() {
+                        Some(Drain::PostgresLost(_, e)) => Err(e),
+                        _ => {
+                            self.send_status(StatusUpdateKind::ShutdownFlush).await?;
+                            Err(Error::ShutdownTimeout { unconfirmed: self.wm.unconfirmed(), flushed: self.wm.flushed() })
+                        }
+                    };
+                }
+                // PRIORITY 3: standby status update deadline. Cancel safety: sleep_until.
+                _ = tokio::time::sleep_until(status_deadline), if pg_alive => {
+                    if !publisher.is_connected() {
+                        let _ = self.send_status(StatusUpdateKind::Periodic).await;
+                        return Err(Error::BrokerLost("the RabbitMQ connection is closed".into()));
+                    }
+                    if let Err(e) = self.send_status(StatusUpdateKind::Periodic).await {
+                        drain = self.on_error(e)?;
+                    }
+                    self.warn_if_stalled(room);
+                }
+                // PRIORITY 4: broker confirms. Cancel safety: mpsc recv is cancel safe.
+                batch = publisher.recv_outcomes() => {
+                    let batch = batch.ok_or(crate::publisher::Error::Closed)?;
+                    self.apply_outcomes(batch, publisher).await?;
+                }
+                // PRIORITY 5: committed dead letters. Cancel safety: mpsc recv is cancel safe.
+                written = self.dead_letters.next_written(), if writing => {
+                    self.on_dead_letter_written(written?)?;
+                }
+                // PRIORITY 6: retries due. Cancel safety: sleep_until.
+                _ = tokio::time::sleep_until(next_retry.unwrap_or_else(Instant::now)), if next_retry.is_some() => {
+                    self.publish_due_retries(publisher)?;
+                }
+                // PRIORITY 7: new WAL, guarded by the window. Cancel safety: read_buf.
+                read = self.stream.fill_not_before(self.next_read_at), if streaming && room && !buffered => {
+                    match read {
+                        Ok(n) => {
+                            buffered = true;
+                            // A small read means the stream is trickling: take the next
+                            // one a little later, in one piece. Large reads (a backlog, big
+                            // messages) are never delayed: a delay per read would cap the
+                            // stream at about one socket buffer per interval.
+                            if n < COALESCE_BELOW_BYTES {
+                                self.next_read_at = Instant::now() + self.config.read_coalesce;
+                            }
+                        }
+                        Err(e) => drain = self.on_error(e.into())?,
+                    }
+                }
+                // PRIORITY 8: frames left in the buffer from a full batch.
+                _ = std::future::ready(()), if streaming && room && buffered => {}
+            }
+        }
+    }
+
+    /// A replication-side failure: keep collecting confirms for a while (when any are
+    /// outstanding) so a reconnect does not re-send what the broker already has.
+    fn on_error(&mut self, e: Error) -> Result<Option<Drain>, Error> {
+        match e {
+            Error::Replication(_) if self.wm.unconfirmed() > 0 => {
+                tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
+                Ok(Some(Drain::PostgresLost(Instant::now() + PG_LOSS_DRAIN, e)))
+            }
+            e => Err(e),
+        }
+    }
+
+    async fn finish(&mut self, drain: Drain) -> Result<(), Error> {
+        match drain {
+            Drain::Shutdown(_) => self.send_status(StatusUpdateKind::ShutdownFlush).await,
+            Drain::PostgresLost(_, e) => Err(e),
+        }
+    }
+
+    async fn handle_buffered(
+        &mut self,
+        publisher: &mut Publisher<Seq>,
+        buffered: &mut bool,
+    ) -> Result<(), Error> {
+        let mut handled = 0;
+        while handled < FRAME_BATCH && self.has_room() {
+            match self.stream.next_buffered()? {
+                Some(msg) => {
+                    self.handle(msg, publisher).await?;
+                    handled += 1;
+                }
+                None => {
+                    *buffered = false;
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes (again) the in-flight message `seq`; `env` is its decoded envelope when the
+    /// caller has it (first attempt), else it is decoded again from the kept content.
+    fn publish(
+        &mut self,
+        seq: Seq,
+        env: Option<envelope::Envelope>,
+        publisher: &mut Publisher<Seq>,
+    ) -> Result<(), Error> {
+        let Some(m) = self.in_flight.get_mut(seq) else {
+            return Ok(());
+        };
+        m.attempts += 1;
+        let env = match env {
+            Some(env) => env,
+            None => m.envelope().map_err(|e| Error::Stream(e.to_string()))?,
+        };
+        let message = m.to_outbound(seq, env).map_err(Error::Stream)?;
+        publisher.publish(message)?;
+        self.summary.published += 1;
+        Ok(())
+    }
+
+    fn publish_due_retries(&mut self, publisher: &mut Publisher<Seq>) -> Result<(), Error> {
+        for seq in self.in_flight.take_due(Instant::now()) {
+            self.summary.retried += 1;
+            self.publish(seq, None, publisher)?;
+        }
+        Ok(())
+    }
+
+    async fn apply_outcomes(
+        &mut self,
+        batch: Vec<(Seq, PublishOutcome)>,
+        publisher: &mut Publisher<Seq>,
+    ) -> Result<(), Error> {
+        for (seq, outcome) in batch {
+            let Some(m) = self.in_flight.get_mut(seq) else {
+                continue;
+            };
+            match outcome {
+                PublishOutcome::Routed => {
+                    let m = self
+                        .in_flight
+                        .remove(seq)
+                        .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
+                    self.settle(&m)?;
+                    self.summary.confirmed += 1;
+                    if let Some(Failpoint::AbortAfterConfirms(n)) = self.config.failpoint {
+                        if self.summary.confirmed >= n {
+                            tracing::error!(lsn = %m.lsn, confirmed = n, "failpoint abort-after-confirms: aborting");
+                            std::process::abort();
+                        }
+                    }
+                }
+                PublishOutcome::Failed { error } => {
+                    // The channel or connection failed: the outcome of every in-flight
+                    // publish is unknown. Record what is settled and reconnect. When the
+                    // broker closed the channel over a message's size, remember its limit:
+                    // the next session dead-letters what exceeds it instead of looping.
+                    if let Some(limit) = broker_limit_from_close(&error) {
+                        tracing::warn!(max_message_bytes = limit.max_bytes, error = %error, "RabbitMQ refused a message for its size and closed the channel; messages over its max_message_size will be dead-lettered as too_large");
+                        self.broker_limit = Some(limit);
+                    }
+                    let _ = self.send_status(StatusUpdateKind::Periodic).await;
+                    return Err(Error::BrokerLost(error));
+                }
+                PublishOutcome::Nacked => {
+                    let error = format!("nacked by the broker (attempt {})", m.attempts);
+                    m.first_error.get_or_insert_with(|| error.clone());
+                    if m.attempts >= self.config.max_attempts {
+                        self.dead_letter_in_flight(seq, "nacked", error)?;
+                    } else {
+                        let delay = (NACK_RETRY_MIN
+                            * 2u32.saturating_pow(m.attempts.saturating_sub(1)))
+                        .min(NACK_RETRY_MAX);
+                        tracing::warn!(lsn = %m.lsn, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
+                        self.in_flight.retry_at(seq, Instant::now() + delay);
+                    }
+                }
+                PublishOutcome::Returned {
+                    reply_code,
+                    reply_text,
+                } => {
+                    let topic = envelope::decode(m.content.clone())
+                        .map(|e| e.topic)
+                        .unwrap_or_default();
+                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for routing key {topic:?}", self.config.exchange);
+                    m.first_error.get_or_insert_with(|| error.clone());
+                    match self.config.on_unroutable {
+                        UnroutablePolicy::DeadLetter => {
+                            self.dead_letter_in_flight(seq, "returned", error)?;
+                        }
+                        UnroutablePolicy::Block => {
+                            let delay = (NACK_RETRY_MIN * 2u32.saturating_pow(m.attempts.min(16)))
+                                .min(BLOCK_RETRY_MAX);
+                            tracing::error!(
+                                lsn = %m.lsn,
+                                attempt = m.attempts,
+                                retry_in_ms = delay.as_millis() as u64,
+                                error = %error,
+                                "unroutable message blocks the outbox (--on-unroutable block): bind a queue for its routing key or switch to --on-unroutable dead-letter; nothing after it is acknowledged"
+                            );
+                            self.in_flight.retry_at(seq, Instant::now() + delay);
+                        }
+                    }
+                }
+            }
+        }
+        // Retries scheduled with no delay go out now.
+        self.publish_due_retries(publisher)
+    }
+
+    /// Logs a warning, at most every `STALL_WARNING`, while messages stay unsettled with no
+    /// progress for longer than that (a blocked or silent broker, a locked dead-letter table).
+    fn warn_if_stalled(&mut self, room: bool) {
+        if let Some(stalled) = self.stall.check(self.wm.unconfirmed()) {
+            let backlog = self.wm.backlog();
+            tracing::warn!(
+                stalled_s = stalled.as_secs(),
+                unconfirmed = self.wm.unconfirmed(),
+                unacknowledged = backlog.messages,
+                window_full = !room,
+                flushed_lsn = %self.wm.flushed(),
+                received_lsn = %self.received,
+                "no message settled for a while: the broker may be blocked (memory or disk alarm) or unreachable, or a message is blocked; nothing unsettled is acknowledged"
+            );
+        }
+    }
+
+    /// A message is settled (routed or dead-lettered): the watermark counts it.
+    fn settle(&mut self, m: &InFlight) -> Result<(), Error> {
+        self.settle_txn(m.txn, m.bytes())
+    }
+
+    fn settle_txn(&mut self, txn: crate::watermark::TxnSeq, bytes: u64) -> Result<(), Error> {
+        self.stall.progress();
+        self.wm
+            .confirm(txn, bytes)
+            .map_err(|e| Error::Stream(e.to_string()))?;
+        if self.wm.is_idle() && self.wm.flushed() < self.received {
+            // Turned idle behind the newest WAL seen: ask for a keepalive soon (idle probe).
+            self.feedback.expedite();
+        }
+        Ok(())
+    }
+
+    /// Hands the in-flight message `seq` to the dead-letter writer; it stays unsettled (and
+    /// in the table, for a retry that is already scheduled to find nothing) until written.
+    fn dead_letter_in_flight(
+        &mut self,
+        seq: Seq,
+        reason: &'static str,
+        error: String,
+    ) -> Result<(), Error> {
+        let m = self
+            .in_flight
+            .remove(seq)
+            .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
+        let env = envelope::decode(m.content.clone()).ok();
+        let bytes = m.bytes();
+        self.dead_letters.write(Job {
+            seq: Some(seq),
+            txn: m.txn,
+            bytes,
+            message_id: env.as_ref().map(|e| e.message_id.clone()),
+            topic: env.as_ref().map(|e| e.topic.clone()),
+            lsn: m.lsn,
+            commit_lsn: Some(m.commit_lsn),
+            envelope: m.content,
+            reason,
+            attempts: m.attempts,
+            first_error: m.first_error,
+            last_error: error,
+        })
+    }
+
+    /// Hands a message that is never published (poison, too large) to the dead-letter
+    /// writer; it holds the watermark until written.
+    fn dead_letter_unpublished(
+        &mut self,
+        lsn: Lsn,
+        commit_lsn: Option<Lsn>,
+        content: Bytes,
+        reason: &'static str,
+        error: String,
+    ) -> Result<(), Error> {
+        let env = envelope::decode(content.clone()).ok();
+        let bytes = content.len() as u64;
+        let txn = self.wm.hold(bytes);
+        self.dead_letters.write(Job {
+            seq: None,
+            txn,
+            bytes,
+            message_id: env.as_ref().map(|e| e.message_id.clone()),
+            topic: env.as_ref().map(|e| e.topic.clone()),
+            lsn,
+            commit_lsn,
+            envelope: content,
+            reason,
+            attempts: 0,
+            first_error: Some(error.clone()),
+            last_error: error,
+        })
+    }
+
+    /// A dead letter is committed: settle its message.
+    fn on_dead_letter_written(&mut self, written: Written) -> Result<(), Error> {
+        let job = written.job;
+        tracing::error!(
+            lsn = %job.lsn,
+            message_id = job.message_id.as_deref().unwrap_or("-"),
+            reason = job.reason,
+            attempts = job.attempts,
+            error = %job.last_error,
+            published = job.seq.is_some(),
+            "message dead-lettered to outbox.dead_letter (inspect with `pgoutbox dead-letters list`)"
+        );
+        self.summary.dead_lettered += 1;
+        self.settle_txn(job.txn, job.bytes)
+    }
+
+    async fn send_status(&mut self, kind: StatusUpdateKind) -> Result<(), Error> {
+        let update = self.feedback.update(&self.wm, self.received, kind);
+        self.stream.send_status(&update).await?;
+        self.feedback.sent(&update);
+        Ok(())
+    }
+
+    async fn handle(
+        &mut self,
+        msg: ReplicationMessage,
+        publisher: &mut Publisher<Seq>,
+    ) -> Result<(), Error> {
+        match msg {
+            ReplicationMessage::PrimaryKeepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
+                self.received = self.received.max(wal_end);
+                // Every XLogData before this keepalive has been handled (frames are handled
+                // in arrival order), so an idle watermark may move to walEnd.
+                let moved = self.wm.keepalive(wal_end);
+                tracing::trace!(wal_end = %wal_end, moved, reply_requested, "primary keepalive");
+                if reply_requested {
+                    self.send_status(StatusUpdateKind::KeepaliveReply).await?;
+                }
+            }
+            ReplicationMessage::XLogData {
+                wal_start, data, ..
+            } => self.handle_logical(wal_start, data, publisher)?,
+        }
+        Ok(())
+    }
+
+    fn handle_logical(
+        &mut self,
+        wal_start: Lsn,
+        data: Bytes,
+        publisher: &mut Publisher<Seq>,
+    ) -> Result<(), Error> {
+        let decoded = pgoutput::decode(data).map_err(|e| Error::Decode {
+            lsn: wal_start,
+            reason: e.to_string(),
+        })?;
+        match decoded {
+            LogicalMessage::Begin(b) => {
+                tracing::trace!(final_lsn = %b.final_lsn, "begin");
+                self.wm.begin().map_err(|e| Error::Stream(e.to_string()))?;
+                self.current_txn =
+                    Some((b.final_lsn, pgoutput::pg_time_to_unix_us(b.commit_time_us)));
+            }
+            LogicalMessage::Commit(c) => {
+                tracing::trace!(end_lsn = %c.end_lsn, "commit");
+                self.wm
+                    .commit(c.end_lsn)
+                    .map_err(|e| Error::Stream(e.to_string()))?;
+                self.received = self.received.max(c.end_lsn);
+                self.current_txn = None;
+            }
+            LogicalMessage::Message(m) if m.has_prefix(MESSAGE_PREFIX.as_bytes()) => {
+                let Some((commit_lsn, commit_time_us)) =
+                    self.current_txn.filter(|_| m.transactional)
+                else {
+                    return self.dead_letter_unpublished(
+                        m.lsn,
+                        None,
+                        m.content,
+                        "poison",
+                        "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)".into(),
+                    );
+                };
+                if m.content.len() > self.config.max_message_bytes {
+                    let error = format!(
+                        "message of {} bytes (envelope) exceeds --max-message-bytes {}",
+                        m.content.len(),
+                        self.config.max_message_bytes
+                    );
+                    return self.dead_letter_unpublished(
+                        m.lsn,
+                        Some(commit_lsn),
+                        m.content,
+                        "too_large",
+                        error,
+                    );
+                }
+                let env = match envelope::decode(m.content.clone()) {
+                    Ok(env) => env,
+                    Err(reason) => {
+                        let error = format!("undecodable outbox message (poison): {reason}");
+                        return self.dead_letter_unpublished(
+                            m.lsn,
+                            Some(commit_lsn),
+                            m.content,
+                            "poison",
+                            error,
+                        );
+                    }
+                };
+                if let Some(limit) = &self.broker_limit {
+                    if env.payload.len() > limit.max_bytes {
+                        let error = format!(
+                            "payload of {} bytes is larger than the broker's max_message_size {} ({})",
+                            env.payload.len(),
+                            limit.max_bytes,
+                            limit.source
+                        );
+                        return self.dead_letter_unpublished(
+                            m.lsn,
+                            Some(commit_lsn),
+                            m.content,
+                            "too_large",
+                            error,
+                        );
+                    }
+                }
+                let bytes = m.content.len() as u64;
+                let txn = self
+                    .wm
+                    .add_message(bytes)
+                    .map_err(|e| Error::Stream(e.to_string()))?;
+                let seq = self.in_flight.insert(InFlight {
+                    txn,
+                    lsn: m.lsn,
+                    commit_lsn,
+                    commit_time_us,
+                    content: m.content,
+                    attempts: 0,
+                    first_error: None,
+                });
+                self.publish(seq, Some(env), publisher)?;
+            }
+            LogicalMessage::Message(_) | LogicalMessage::Other { .. } => {}
+        }
+        Ok(())
+    }
+}
+
+/// The broker's size limit, when `error` is RabbitMQ's channel close for an oversized
+/// message: 406 PRECONDITION_FAILED, "message size N is larger than configured max size M".
+fn broker_limit_from_close(error: &str) -> Option<BrokerLimit> {
+    const MARK: &str = "larger than configured max size ";
+    let at = error.find(MARK)? + MARK.len();
+    let digits: String = error[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let max_bytes = digits.parse().ok()?;
+    Some(BrokerLimit {
+        max_bytes,
+        source: format!("learned from RabbitMQ's channel close: {}", error.trim()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn learns_the_broker_limit_from_its_close_text() {
+        let text = "protocol error: AMQP soft error: PRECONDITION-FAILED: PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
+        let limit = broker_limit_from_close(text).unwrap();
+        assert_eq!(limit.max_bytes, 1_048_576);
+        assert!(limit.source.contains("message size 2097152"));
+        assert_eq!(broker_limit_from_close("connection reset by peer"), None);
+        assert_eq!(
+            broker_limit_from_close("larger than configured max size é"),
+            None
+        );
+    }
+}

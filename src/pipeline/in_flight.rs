@@ -1,0 +1,148 @@
+//! The in-flight table: every outbox message read from the stream and not yet settled,
+//! with its retry schedule.
+//!
+//! A record is created when a message is first published (or handed to the dead-letter
+//! writer) and removed when it is settled: confirmed as routed, or durably dead-lettered.
+//! Between the two it may be published again (after a nack, or a return under
+//! `--on-unroutable block`) when its retry falls due. The watermark counts the same
+//! messages by transaction; this table keeps what is needed to publish them again or to
+//! write them as dead letters.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use bytes::Bytes;
+use lapin::types::ShortString;
+use lapin::BasicProperties;
+use tokio::time::Instant;
+
+use super::{HEADER_COMMIT_LSN, HEADER_COMMIT_TIME_US, HEADER_LSN};
+use crate::envelope::{self, Envelope};
+use crate::lsn::Lsn;
+use crate::publisher::message::{
+    headers_from_json, insert_i64, insert_text, DELIVERY_MODE_PERSISTENT,
+};
+use crate::publisher::OutboundMessage;
+use crate::watermark::TxnSeq;
+
+/// Identifies one in-flight message within a session (also the publisher's tag).
+pub(super) type Seq = u64;
+
+/// A message read from the stream and not yet settled.
+#[derive(Debug)]
+pub(super) struct InFlight {
+    /// Its transaction in the watermark.
+    pub txn: TxnSeq,
+    /// The message's own LSN.
+    pub lsn: Lsn,
+    /// Its transaction's commit record LSN (pgoutput Begin's final LSN).
+    pub commit_lsn: Lsn,
+    /// Commit time, µs since the Unix epoch.
+    pub commit_time_us: i64,
+    /// The logical message content (the envelope), kept to rebuild a retry.
+    pub content: Bytes,
+    /// Publish attempts so far.
+    pub attempts: u32,
+    /// The first failure, kept for the dead letter.
+    pub first_error: Option<String>,
+}
+
+impl InFlight {
+    /// Its size for the window and the watermark: the content length in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.content.len() as u64
+    }
+
+    /// The AMQP message for this record: routing key = topic, body = payload, properties
+    /// (message id, content type, persistent, timestamp in seconds) and headers (the
+    /// producer's, then ours: message LSN, commit LSN as `X/Y` text, commit time in µs).
+    ///
+    /// # Errors
+    /// A text naming what does not fit AMQP (a topic, message id or content type over 255
+    /// bytes).
+    pub fn to_outbound(&self, seq: Seq, env: Envelope) -> Result<OutboundMessage<Seq>, String> {
+        let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
+        let message_id = ShortString::try_new(env.message_id).map_err(|e| e.to_string())?;
+        let content_type = ShortString::try_new(env.content_type).map_err(|e| e.to_string())?;
+        let mut headers = headers_from_json(&env.headers);
+        insert_text(&mut headers, HEADER_LSN, self.lsn.to_string());
+        insert_text(&mut headers, HEADER_COMMIT_LSN, self.commit_lsn.to_string());
+        insert_i64(&mut headers, HEADER_COMMIT_TIME_US, self.commit_time_us);
+        let properties = BasicProperties::default()
+            .with_message_id(message_id)
+            .with_content_type(content_type)
+            .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
+            .with_timestamp(u64::try_from(self.commit_time_us / 1_000_000).unwrap_or(0))
+            .with_headers(headers);
+        Ok(OutboundMessage {
+            tag: seq,
+            routing_key,
+            body: env.payload,
+            properties,
+            match_key: self.lsn.to_string(),
+        })
+    }
+
+    /// The envelope, decoded again from the kept content (for a retry).
+    ///
+    /// # Errors
+    /// The envelope's decode error (it decoded once, so this means memory corruption).
+    pub fn envelope(&self) -> Result<Envelope, envelope::EnvelopeError> {
+        envelope::decode(self.content.clone())
+    }
+}
+
+/// In-flight records by [`Seq`], and the retry schedule.
+#[derive(Debug, Default)]
+pub(super) struct InFlightTable {
+    records: HashMap<Seq, InFlight>,
+    next_seq: Seq,
+    /// Messages waiting to be published again: (due, seq), earliest first.
+    retries: BinaryHeap<Reverse<(Instant, Seq)>>,
+}
+
+impl InFlightTable {
+    /// Adds a record; returns its sequence number.
+    pub fn insert(&mut self, record: InFlight) -> Seq {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.records.insert(seq, record);
+        seq
+    }
+
+    /// The record of `seq`, if still in flight.
+    pub fn get_mut(&mut self, seq: Seq) -> Option<&mut InFlight> {
+        self.records.get_mut(&seq)
+    }
+
+    /// Removes the record of `seq` (it was settled).
+    pub fn remove(&mut self, seq: Seq) -> Option<InFlight> {
+        self.records.remove(&seq)
+    }
+
+    /// Schedules `seq` to be published again at `due`.
+    pub fn retry_at(&mut self, seq: Seq, due: Instant) {
+        self.retries.push(Reverse((due, seq)));
+    }
+
+    /// When the next retry falls due.
+    pub fn next_retry(&self) -> Option<Instant> {
+        self.retries.peek().map(|Reverse((due, _))| *due)
+    }
+
+    /// Takes the retries due at `now`, earliest first (records settled meanwhile are
+    /// skipped).
+    pub fn take_due(&mut self, now: Instant) -> Vec<Seq> {
+        let mut due = Vec::new();
+        while let Some(Reverse((at, seq))) = self.retries.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.retries.pop();
+            if self.records.contains_key(&seq) {
+                due.push(seq);
+            }
+        }
+        due
+    }
+}

@@ -1,0 +1,73 @@
+//! `pgoutbox run`: WAL in, publishes out, confirms back, flush LSN out.
+//!
+//! ```text
+//!  walsender ──XLogData/keepalive──▶ ReplicationStream ──pgoutput──▶ Begin/Message/Commit
+//!      ▲                                                                  │ envelope
+//!      │ standby status update (flush = AckWatermark::flushed)            ▼
+//!  feedback ◀── AckWatermark ◀── settle ◀── in-flight table ──▶ Publisher (confirms)
+//!                                   ▲                      └──▶ dead-letter writer
+//!                                   └────────── written ◀──────────────┘
+//! ```
+//!
+//! The invariant: the flush LSN reported to Postgres only moves over transactions whose
+//! every outbox message the broker confirmed as routed (acked and not returned) or that was
+//! durably written to `outbox.dead_letter`, or to a primary keepalive's `walEnd` when
+//! nothing at all is pending. It starts at the slot's `confirmed_flush_lsn`, read after
+//! `START_REPLICATION` succeeded (so nobody else can move it meanwhile), and never goes
+//! lower. [`crate::watermark::AckWatermark`] is its only source.
+//!
+//! Backpressure: when the window (messages or payload bytes not yet acknowledged, see
+//! [`crate::watermark::Backlog`]) is full, the loop stops reading the replication socket but
+//! keeps sending standby status updates on a timer well inside `wal_sender_timeout`; the
+//! walsender reads replies while its own send blocks.
+//!
+//! Where things live (one concept per module):
+//! - [`driver`]: sessions and reconnects: connect both sides (every wait ends on a signal),
+//!   backoff, what one session teaches the next (resume LSN, the broker's size limit,
+//!   repeated decode failures), the exit status of an interrupted drain;
+//! - `event_loop`: the one `select!` with its written priorities, and frame handling;
+//! - `in_flight`: the in-flight table with retries: **every change of a message's state**
+//!   (published, confirmed, nacked, returned, dead-lettered) happens in
+//!   `event_loop::Core::apply_outcomes` and `Core::on_dead_letter_written`, on records kept
+//!   here;
+//! - `dead_letter`: the dead-letter writer, a task with bounded waits and retries, so a
+//!   lock on `outbox.dead_letter` never stops status updates or confirms;
+//! - `feedback`: when to send a standby status update, and of which kind; stall detection.
+//!
+//! Sources: PostgreSQL docs, "Streaming Replication Protocol" and "Logical Streaming
+//! Replication Protocol"; RabbitMQ "Publisher Confirms".
+
+mod dead_letter;
+pub mod driver;
+mod event_loop;
+mod feedback;
+mod in_flight;
+
+pub use driver::run;
+
+/// Header with the message's own LSN (`X/Y`); also the key that matches returns.
+pub const HEADER_LSN: &str = crate::publisher::MATCH_KEY_HEADER;
+/// Header with the LSN of the transaction's commit record (`X/Y`, pgoutput Begin's final
+/// LSN): increases with commit order.
+pub const HEADER_COMMIT_LSN: &str = "x-pgoutbox-commit-lsn";
+/// Header with the commit time, microseconds since the Unix epoch.
+pub const HEADER_COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
+
+/// What a run did, returned on a clean shutdown.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Publishes made, counting every attempt: first publishes, retries after a nack or a
+    /// return, and re-sends after a reconnect.
+    pub published: u64,
+    /// Of those, publishes that were retries of a nacked or returned message in the same
+    /// session.
+    pub retried: u64,
+    /// Messages confirmed as routed.
+    pub confirmed: u64,
+    /// The last flush LSN reported to Postgres.
+    pub flushed: crate::lsn::Lsn,
+    /// Messages written to `outbox.dead_letter`.
+    pub dead_lettered: u64,
+    /// Sessions restarted after a retryable failure.
+    pub reconnects: u64,
+}

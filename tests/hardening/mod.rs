@@ -1,0 +1,562 @@
+//! Issue 11, sections 1-5 and 7: the window, idle lag after a busy period, a broker that
+//! refuses a message for its size, dead-letter writes under a lock, the exit status of an
+//! interrupted drain, and signals in every wait.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq, Streamer};
+
+/// The streamer's peak RSS (`VmHWM`) in kB.
+fn vm_hwm_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("status")
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmHWM:")
+                .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+        })
+        .expect("VmHWM")
+}
+
+/// Waits until `f` returns the same value for `stable` in a row (polling every 250 ms).
+async fn wait_stable<T, F, Fut>(timeout: Duration, stable: Duration, mut f: F) -> Option<T>
+where
+    T: PartialEq + Copy,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last = f().await;
+    let mut since = Instant::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = f().await;
+        if now != last {
+            last = now;
+            since = Instant::now();
+        } else if since.elapsed() >= stable {
+            return Some(last);
+        }
+    }
+    None
+}
+
+/// Section 1: a stuck front (an unroutable message under `--on-unroutable block`) bounds
+/// what is read and published behind it by the window, memory stays flat however many
+/// transactions pass, and a crash re-sends at most the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_front_bounds_what_is_read_behind_it_by_the_window() {
+    const WINDOW: usize = 100;
+    let bound = WINDOW + WINDOW / 10;
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "hard_window").await;
+    let exchange = support::unique("hard_window_x");
+    let queue = support::unique("hard_window_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let window = WINDOW.to_string();
+    let args = [
+        "--exchange",
+        exchange.as_str(),
+        "--on-unroutable",
+        "block",
+        "--max-in-flight",
+        window.as_str(),
+    ];
+    let streamer = ob.run(&args);
+    let stuck_lsn = lsn(&ob.sql("SELECT outbox.emit('later.1', '{}', '{}', 'held')"));
+    assert!(
+        streamer
+            .wait_for_log(
+                "unroutable message blocks the outbox",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let hwm_before = vm_hwm_kb(streamer.pid());
+    // 200,000 transactions without outbox messages (another prefix), then 20,000 routable
+    // outbox messages, one per transaction.
+    let others = support::scaled_count(200_000);
+    let routable = support::scaled_count(20_000);
+    ob.sql(&format!(
+        "DO $$ BEGIN FOR i IN 1..{others} LOOP PERFORM pg_logical_emit_message(true, 'other', 'x'); COMMIT; END LOOP; END $$"
+    ));
+    ob.sql(&format!(
+        "DO $$ BEGIN FOR i IN 1..{routable} LOOP PERFORM outbox.emit('ok.' || i, '{{}}', '{{}}', 'ok-' || i); COMMIT; END LOOP; END $$"
+    ));
+    // The window fills and the queue stops growing.
+    let seen = wait_stable(
+        scaled(Duration::from_secs(120)),
+        Duration::from_secs(5),
+        || support::queue_len(&url, &queue),
+    )
+    .await
+    .expect("the queue settles");
+    let hwm_after = vm_hwm_kb(streamer.pid());
+    eprintln!(
+        "stuck front: consumer saw {seen} of {routable} before the block was lifted; VmHWM {hwm_before} -> {hwm_after} kB"
+    );
+    assert!(
+        seen as usize <= bound,
+        "the consumer saw {seen} messages behind a stuck front with a window of {WINDOW}"
+    );
+    assert!(
+        seen > 0,
+        "messages behind the front are published up to the window"
+    );
+    assert!(
+        hwm_after.saturating_sub(hwm_before) < 8 * 1024,
+        "VmHWM grew from {hwm_before} kB to {hwm_after} kB"
+    );
+    assert!(
+        ob.confirmed_flush() < stuck_lsn,
+        "nothing after the stuck message is acknowledged"
+    );
+    // Crash, restart (still blocked), then lift the block.
+    streamer.kill9();
+    assert!(streamer.wait_exit(Duration::from_secs(10)).await.is_some());
+    let streamer = ob.run(&args);
+    assert!(
+        streamer
+            .wait_for_log(
+                "unroutable message blocks the outbox",
+                scaled(Duration::from_secs(60))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    support::declare_bound_queue(&url, &exchange, &queue, "later.#").await;
+    let got =
+        support::drain_queue(&url, &queue, routable + 1, scaled(Duration::from_secs(60))).await;
+    let mut copies: HashMap<String, usize> = HashMap::new();
+    for m in &got {
+        *copies
+            .entry(m.message_id.clone().expect("message_id"))
+            .or_default() += 1;
+    }
+    let duplicates: usize = copies.values().map(|n| n - 1).sum();
+    eprintln!(
+        "after SIGKILL and restart: {} deliveries, {} distinct, {duplicates} duplicates",
+        got.len(),
+        copies.len()
+    );
+    assert_eq!(
+        copies.len(),
+        routable + 1,
+        "nothing lost: {}",
+        streamer.log()
+    );
+    assert!(duplicates > 0, "the kill re-sent the unacknowledged window");
+    assert!(
+        duplicates <= bound,
+        "{duplicates} duplicates after a crash with a window of {WINDOW}"
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// Section 2: once a message that was unconfirmed during a burst of unrelated WAL is
+/// confirmed, the slot catches up with no new WAL at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_lag_comes_down_after_a_busy_period_without_new_wal() {
+    let pg = Postgres::start_private(&[
+        ("autovacuum", "off"),
+        ("checkpoint_timeout", "1h"),
+        ("max_wal_size", "4GB"),
+    ]);
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(&pg, &rmq.url(), "hard_idle").await;
+    let streamer = ob.run(&[]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await
+    );
+    rmq.block();
+    ob.sql("SELECT outbox.emit('idle', '{}', '{}', 'idle-1')");
+    ob.sql("CREATE TABLE junk (x text)");
+    for _ in 0..13 {
+        ob.sql("INSERT INTO junk SELECT repeat(md5(random()::text), 32) FROM generate_series(1, 16000)");
+    }
+    // Wait for the walsender to have sent everything and for the server's next standby
+    // snapshot (running_xacts every 15 s after activity): then no WAL at all is written.
+    let wal_lsn = || lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    let quiet = wait_stable(
+        scaled(Duration::from_secs(90)),
+        Duration::from_secs(17),
+        || async { wal_lsn() },
+    )
+    .await
+    .expect("WAL stops growing");
+    let lag_blocked = ob.lag_bytes();
+    assert!(
+        lag_blocked > 150 * 1024 * 1024,
+        "the unconfirmed message holds the slot: lag {lag_blocked}"
+    );
+    rmq.unblock();
+    let mut last = 0;
+    let ok = support::wait_until(Duration::from_secs(10), || {
+        last = ob.lag_bytes();
+        let lag = last;
+        async move { lag < 16 * 1024 * 1024 }
+    })
+    .await;
+    let wal_end = wal_lsn();
+    assert_eq!(
+        wal_end, quiet,
+        "WAL was written after the unblock, so this run cannot tell"
+    );
+    assert!(
+        ok,
+        "lag stayed at {last} bytes with no new WAL (was {lag_blocked} while blocked)\n{}",
+        streamer.log()
+    );
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(10))).await.len(), 1);
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// Section 3: a message under `--max-message-bytes` but over the broker's
+/// `max_message_size` is dead-lettered with the broker's text, and later messages flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_refuses_for_its_size_is_dead_lettered() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private_with("max_message_size = 1048576");
+    let ob = Outbox::new(pg, &rmq.url(), "hard_size").await;
+    let streamer = ob.run(&[]);
+    ob.sql("SELECT outbox.emit('small', '{}', '{}', 'before')");
+    let big_lsn = ob.sql(
+        "SELECT outbox.emit_bytes('big', convert_to(repeat('x', 2 * 1024 * 1024), 'UTF8'), 'text/plain', '{}', 'too-big')",
+    );
+    ob.sql("SELECT outbox.emit('small', '{}', '{}', 'after')");
+    let t0 = Instant::now();
+    let reason = || {
+        ob.sql(&format!(
+            "SELECT reason || '|' || last_error FROM outbox.dead_letter WHERE lsn = '{}'",
+            big_lsn.trim()
+        ))
+    };
+    assert!(
+        support::wait_until(Duration::from_secs(30), || {
+            let found = !reason().trim().is_empty();
+            async move { found }
+        })
+        .await,
+        "not dead-lettered within 30 s\n{}",
+        streamer.log()
+    );
+    let row = reason();
+    eprintln!("dead-lettered after {:.1?}: {}", t0.elapsed(), row.trim());
+    assert!(row.starts_with("too_large|"), "{row}");
+    assert!(
+        row.contains("max size 1048576"),
+        "the broker's text is kept: {row}"
+    );
+    let got = ob.drain(2, scaled(Duration::from_secs(30))).await;
+    let ids: std::collections::BTreeSet<_> =
+        got.iter().map(|m| m.message_id.clone().unwrap()).collect();
+    assert_eq!(
+        ids.into_iter().collect::<Vec<_>>(),
+        ["after", "before"],
+        "{}",
+        streamer.log()
+    );
+    // The limit is known now: the next oversized message is dead-lettered without a reconnect.
+    let reconnects = streamer.log_count("session failed; reconnecting");
+    let second = ob.sql(
+        "SELECT outbox.emit_bytes('big', convert_to(repeat('y', 2 * 1024 * 1024), 'UTF8'), 'text/plain', '{}', 'too-big-2')",
+    );
+    assert!(
+        support::wait_until(Duration::from_secs(30), || {
+            let n = ob.sql(&format!(
+                "SELECT count(*) FROM outbox.dead_letter WHERE lsn = '{}' AND reason = 'too_large'",
+                second.trim()
+            ));
+            async move { n.trim() == "1" }
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    assert_eq!(
+        streamer.log_count("session failed; reconnecting"),
+        reconnects
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// Section 4: a lock on `outbox.dead_letter` neither stops status updates nor deadlocks;
+/// the message is dead-lettered once the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_dead_letter_table_stalls_nothing_but_that_message() {
+    let pg = Postgres::start_private(&[("wal_sender_timeout", "3s")]);
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(&pg, &url, "hard_lock").await;
+    let exchange = support::unique("hard_lock_x");
+    let queue = support::unique("hard_lock_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let streamer = ob.run(&["--exchange", &exchange]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await
+    );
+    let locker = pg.client(&ob.db).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE outbox.dead_letter")
+        .await
+        .expect("lock");
+    let stuck = ob.sql("SELECT outbox.emit('nobody.listens', '{}', '{}', 'unroutable')");
+    let reply_time = || {
+        ob.sql(&format!(
+            "SELECT extract(epoch FROM reply_time) FROM pg_stat_replication WHERE application_name LIKE 'pgoutbox-%' AND pid = (SELECT active_pid FROM pg_replication_slots WHERE slot_name = '{}')",
+            ob.slot
+        ))
+        .trim()
+        .to_owned()
+    };
+    // Four times wal_sender_timeout under the lock: the walsender keeps hearing from us.
+    let mut replies = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(12);
+    while Instant::now() < deadline {
+        assert!(
+            ob.slot_active(),
+            "the replication connection was dropped\n{}",
+            streamer.log()
+        );
+        replies.insert(reply_time());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        replies.len() >= 4,
+        "status updates stopped under the lock: reply_time values {replies:?}"
+    );
+    assert!(!pg
+        .log_contents()
+        .contains("terminating walsender process due to replication timeout"));
+    assert!(
+        ob.confirmed_flush() < lsn(&stuck),
+        "not acknowledged before it is written"
+    );
+    assert!(
+        streamer
+            .wait_for_log(
+                "for a lock on outbox.dead_letter",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "a warning names the lock wait\n{}",
+        streamer.log()
+    );
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || {
+            let n = ob.sql("SELECT count(*) FROM outbox.dead_letter WHERE reason = 'returned'");
+            async move { n.trim() == "1" }
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > lsn(&stuck)
+        })
+        .await
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// Section 5: losing the broker during the SIGTERM drain exits non-zero, with nothing
+/// acknowledged past what was confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_interrupted_by_the_broker_exits_non_zero() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "hard_drain").await;
+    let streamer = ob.run(&["--shutdown-timeout-s", "60"]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await
+    );
+    rmq.block();
+    let at = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'drained')"));
+    // The streamer read the transaction (and so published its message) before the signal.
+    assert!(
+        streamer
+            .wait_for_log(" commit", scaled(Duration::from_secs(20)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    streamer.sigterm();
+    assert!(
+        streamer
+            .wait_for_log(
+                "shutdown requested; draining",
+                scaled(Duration::from_secs(10))
+            )
+            .await
+    );
+    rmq.close_all_connections();
+    let status = streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .expect("exits");
+    rmq.unblock();
+    assert!(
+        !status.success(),
+        "exit status {status:?} after an interrupted drain\n{}",
+        streamer.log()
+    );
+    assert!(
+        streamer.log().contains("shutdown was interrupted"),
+        "{}",
+        streamer.log()
+    );
+    assert!(
+        ob.confirmed_flush() < at,
+        "nothing unconfirmed was acknowledged"
+    );
+}
+
+/// Section 7: SIGTERM ends every wait promptly with exit 0 when nothing is in flight: a
+/// standby waiting for a busy slot, and a connect to a broker that never answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_end_every_wait_promptly() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "hard_signal").await;
+    let active = ob.run(&[]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await
+    );
+    let standby = ob.run(&[]);
+    assert!(
+        standby
+            .wait_for_log(
+                "slot is active in another process",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "{}",
+        standby.log()
+    );
+    let t0 = Instant::now();
+    standby.sigterm();
+    let status = standby.wait_exit(Duration::from_secs(5)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "standby ignored SIGTERM: {status:?} after {:.1?}\n{}",
+        t0.elapsed(),
+        standby.log()
+    );
+    active.sigterm();
+    assert!(active
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some_and(|s| s.success()));
+    // A broker address that accepts TCP and never answers the AMQP handshake.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().unwrap().port();
+    let mut args: Vec<String> = vec!["run".into()];
+    for (k, v) in [
+        ("--database-url", ob.url()),
+        (
+            "--amqp-url",
+            format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+        ),
+        ("--slot", ob.slot.clone()),
+        ("--publication", ob.publication.clone()),
+        ("--exchange", ob.exchange.clone()),
+    ] {
+        args.push(k.into());
+        args.push(v);
+    }
+    let connecting = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t0 = Instant::now();
+    connecting.sigterm();
+    let status = connecting.wait_exit(Duration::from_secs(5)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "SIGTERM while connecting to RabbitMQ: {status:?} after {:.1?}\n{}",
+        t0.elapsed(),
+        connecting.log()
+    );
+    drop(silent);
+}
+
+/// Section 3: `--broker-max-message-bytes` dead-letters a larger payload before publishing,
+/// with no channel close and no reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_max_message_bytes_is_checked_before_publishing() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "hard_size_flag").await;
+    let streamer = ob.run(&["--broker-max-message-bytes", "1000"]);
+    let big = ob.sql(
+        "SELECT outbox.emit_bytes('big', convert_to(repeat('z', 1001), 'UTF8'), 'text/plain', '{}', 'over')",
+    );
+    ob.sql("SELECT outbox.emit_bytes('fits', convert_to(repeat('z', 1000), 'UTF8'), 'text/plain', '{}', 'fits')");
+    let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(
+        got.iter()
+            .map(|m| m.message_id.clone().unwrap())
+            .collect::<Vec<_>>(),
+        ["fits"],
+        "{}",
+        streamer.log()
+    );
+    let row = || {
+        ob.sql(&format!(
+            "SELECT reason || '|' || attempts || '|' || last_error FROM outbox.dead_letter WHERE lsn = '{}'",
+            big.trim()
+        ))
+    };
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || {
+            let found = !row().trim().is_empty();
+            async move { found }
+        })
+        .await
+    );
+    let row = row();
+    assert!(row.starts_with("too_large|0|"), "{row}");
+    assert!(row.contains("--broker-max-message-bytes 1000"), "{row}");
+    assert_eq!(
+        streamer.log_count("session failed; reconnecting"),
+        0,
+        "{}",
+        streamer.log()
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some_and(|s| s.success()));
+}
