@@ -680,46 +680,137 @@ pub async fn list_dead_letters(
         .collect())
 }
 
-/// Re-emits the selected, not yet requeued dead letters through
+/// Why `requeue` refused one selected row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequeueRefusal {
+    /// No row has this id.
+    NotFound,
+    /// The row was requeued already (at this time, RFC 3339 text): requeueing it again
+    /// would deliver it twice.
+    AlreadyRequeued(String),
+    /// Its envelope does not decode (the decoder's reason): re-emitting it would only make
+    /// the streamer dead-letter it again as `poison`.
+    Undecodable(String),
+}
+
+/// Re-emits the selected dead letters through
 /// `pg_logical_emit_message(true, 'pgoutbox', envelope)` in one transaction, in id order,
-/// and marks them requeued. Returns how many were requeued.
+/// and marks them `requeued_at`. Returns the ids requeued.
+///
+/// All or nothing: when any selected row cannot be requeued (an `--id` that does not
+/// exist, a row requeued already, an envelope this pgoutbox cannot decode), nothing is
+/// requeued and the error names every such row with its reason. A selection other than
+/// ids (`--all`) selects only the rows not requeued yet.
 ///
 /// # Errors
-/// [`Error::Sql`].
+/// [`Error::Precondition`] listing the refused rows and the fix; [`Error::Sql`].
 pub async fn requeue_dead_letters(
     client: &mut Client,
     selection: &Selection,
-) -> Result<u64, Error> {
+) -> Result<Vec<i64>, Error> {
     let (clause, arg) = selection.clause();
+    let unrequeued = if !matches!(selection, Selection::Ids(_)) {
+        " AND requeued_at IS NULL"
+    } else {
+        ""
+    };
     let tx = client
         .transaction()
         .await
         .map_err(|e| Error::sql("starting the requeue transaction", e))?;
-    let n = tx
-        .execute(
+    let rows = tx
+        .query(
             &format!(
-                "WITH picked AS (
-                    SELECT id, envelope FROM outbox.dead_letter
-                    WHERE requeued_at IS NULL AND {clause}
-                    ORDER BY id FOR UPDATE),
-                 emitted AS (
-                    SELECT id, pg_logical_emit_message(true, 'pgoutbox', envelope) AS lsn FROM picked)
-                 UPDATE outbox.dead_letter d SET requeued_at = now()
-                 FROM emitted e WHERE d.id = e.id"
+                "SELECT id,
+                        to_char(requeued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+                 FROM outbox.dead_letter WHERE {clause}{unrequeued} ORDER BY id FOR UPDATE"
             ),
             &[&arg],
         )
         .await
         .map_err(|e| {
             Error::sql(
-                format!("requeueing dead letters from outbox.dead_letter{}", dead_letter_hint(&e)),
+                format!(
+                    "reading the dead letters to requeue from outbox.dead_letter{}",
+                    dead_letter_hint(&e)
+                ),
                 e,
             )
         })?;
+    let mut refused: Vec<(i64, RequeueRefusal)> = Vec::new();
+    if let Selection::Ids(ids) = selection {
+        let found: std::collections::BTreeSet<i64> = rows.iter().map(|r| r.get(0)).collect();
+        let missing: std::collections::BTreeSet<i64> = ids
+            .iter()
+            .copied()
+            .filter(|id| !found.contains(id))
+            .collect();
+        refused.extend(missing.into_iter().map(|id| (id, RequeueRefusal::NotFound)));
+    }
+    let mut picked: Vec<i64> = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let (id, requeued_at): (i64, Option<String>) = (row.get(0), row.get(1));
+        if let Some(at) = requeued_at {
+            refused.push((id, RequeueRefusal::AlreadyRequeued(at)));
+            continue;
+        }
+        // One envelope in memory at a time: too_large rows are large by definition.
+        let envelope: Vec<u8> = tx
+            .query_one(
+                "SELECT envelope FROM outbox.dead_letter WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(|e| Error::sql(format!("reading dead letter {id}"), e))?
+            .get(0);
+        match crate::envelope::decode(bytes::Bytes::from(envelope)) {
+            Ok(_) => picked.push(id),
+            Err(e) => refused.push((id, RequeueRefusal::Undecodable(e.to_string()))),
+        }
+    }
+    if !refused.is_empty() {
+        refused.sort_by_key(|(id, _)| *id);
+        return Err(Error::Precondition(describe_refusals(&refused)));
+    }
+    for id in &picked {
+        tx.execute(
+            "SELECT pg_logical_emit_message(true, 'pgoutbox', envelope) FROM outbox.dead_letter WHERE id = $1",
+            &[id],
+        )
+        .await
+        .map_err(|e| Error::sql(format!("re-emitting dead letter {id}"), e))?;
+    }
+    let ids = picked;
+    tx.execute(
+        "UPDATE outbox.dead_letter SET requeued_at = now() WHERE id = ANY($1)",
+        &[&ids],
+    )
+    .await
+    .map_err(|e| Error::sql("marking dead letters requeued", e))?;
     tx.commit()
         .await
         .map_err(|e| Error::sql("committing the requeue", e))?;
-    Ok(n)
+    Ok(ids)
+}
+
+/// The operator's message for refused requeues: one clause per row, then the fix.
+fn describe_refusals(refused: &[(i64, RequeueRefusal)]) -> String {
+    let rows: Vec<String> = refused
+        .iter()
+        .map(|(id, why)| match why {
+            RequeueRefusal::NotFound => format!("id {id} does not exist"),
+            RequeueRefusal::AlreadyRequeued(at) => {
+                format!("id {id} was requeued already at {at} (requeueing it again would deliver it twice)")
+            }
+            RequeueRefusal::Undecodable(reason) => format!(
+                "id {id} holds an envelope pgoutbox cannot decode ({reason}), so requeueing it would only dead-letter it again as poison; inspect it with SQL, then purge it"
+            ),
+        })
+        .collect();
+    format!(
+        "requeued nothing: {}; fix the selection (`pgoutbox dead-letters list --all` shows every row) and run it again",
+        rows.join("; ")
+    )
 }
 
 /// Deletes the selected dead letters. Returns how many were deleted.

@@ -38,6 +38,38 @@ pub const DEFAULT_READ_COALESCE: Duration = Duration::from_millis(1);
 /// Largest accepted `--read-coalesce-us`: 100 ms.
 pub const MAX_READ_COALESCE: Duration = Duration::from_millis(100);
 
+// Upper bounds of the numeric and duration settings. Each is far above any sensible
+// value, so it only catches typos and values that would overflow a clock or a counter
+// (`Instant::now() + Duration::from_secs(u64::MAX)` panics).
+
+/// Largest accepted `--max-in-flight`: 1,000,000 messages, 100 times the default.
+/// RabbitMQ reaches its ceiling by 10,000 unconfirmed publishes (FACTS.md), and every
+/// message in the window is held in memory until it is confirmed.
+pub const MAX_IN_FLIGHT_CAP: usize = 1_000_000;
+/// Largest accepted `--max-in-flight-bytes`: 4 GiB, 256 times the default. The window's
+/// payloads are held in memory, so this is the memory an operator agrees to spend on them.
+pub const MAX_IN_FLIGHT_BYTES_CAP: usize = 4 * 1024 * 1024 * 1024;
+/// Largest accepted `--max-message-bytes` and `--broker-max-message-bytes`: 512 MiB,
+/// RabbitMQ's hard upper limit for its own `max_message_size`: a larger message could never
+/// be published.
+pub const MAX_MESSAGE_BYTES_CAP: usize = 512 * 1024 * 1024;
+/// Largest accepted `--max-attempts`: 1,000. With the nack retry backoff capped at 5 s that
+/// is more than an hour of retrying one message while everything behind it waits.
+pub const MAX_ATTEMPTS_CAP: u32 = 1_000;
+/// Largest accepted `--slot-busy-timeout-s`: 30 days. A bounded wait longer than that is a
+/// standby in all but name (0 waits forever).
+pub const SLOT_BUSY_TIMEOUT_CAP: Duration = Duration::from_secs(30 * 86_400);
+/// Largest accepted `--shutdown-timeout-s`: one day. A drain waits only for confirms the
+/// broker owes (milliseconds when it is healthy); a service manager kills a process long
+/// before a day has passed (the shipped unit waits 45 s).
+pub const SHUTDOWN_TIMEOUT_CAP: Duration = Duration::from_secs(86_400);
+/// Largest accepted `dead-letters list --limit`: 1,000,000 rows, more than a terminal or a
+/// JSON reader wants at once (use SQL on `outbox.dead_letter` for more).
+pub const DEAD_LETTER_LIST_CAP: i64 = 1_000_000;
+/// Longest accepted `dead-letters purge --older-than`: 36,500 days (100 years), older than
+/// any row can be.
+pub const DEAD_LETTER_AGE_CAP: Duration = Duration::from_secs(36_500 * 86_400);
+
 /// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
 /// is hard to hit from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,9 +110,24 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The logical decoding message prefix of our envelopes.
 pub const MESSAGE_PREFIX: &str = "pgoutbox";
 
+/// Options that select what one invocation acts on (or how it prints) rather than
+/// configure pgoutbox: they read no environment variable.
+pub const FLAGS_WITHOUT_ENV: &[&str] = &[
+    "--all",
+    "--force",
+    "--id",
+    "--json",
+    "--limit",
+    "--older-than",
+];
+
 /// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper
-/// case with `-` as `_` (the rule every option of the CLI follows).
+/// case with `-` as `_` (the rule every setting of the CLI follows); `None` for
+/// [`FLAGS_WITHOUT_ENV`].
 pub fn env_of(flag: &str) -> Option<String> {
+    if FLAGS_WITHOUT_ENV.contains(&flag) {
+        return None;
+    }
     let name = flag.strip_prefix("--")?;
     Some(format!(
         "PGOUTBOX_{}",
@@ -124,16 +171,29 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
     }
 }
 
-/// Replaces the password in a URL with `***` for logs and `Debug`.
+/// Replaces the password in a URL with `***` for logs and `Debug`; a URL without one is
+/// returned as written (not normalised), so an error shows the value the operator typed.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("***"));
             u.to_string()
         }
-        Ok(u) => u.to_string(),
+        Ok(_) => url.to_owned(),
         Err(_) if url.contains("password") => "<redacted connection string>".into(),
-        Err(_) => url.to_owned(),
+        // Not a URL the parser accepts, yet it may carry `user:secret@`: mask what lies
+        // between the first ':' after the scheme and the last '@' (indices of ASCII
+        // characters, so always character boundaries).
+        Err(_) => match url.split_once("://") {
+            Some((scheme, rest)) => match rest.rsplit_once('@') {
+                Some((userinfo, host)) => match userinfo.split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                    None => url.to_owned(),
+                },
+                None => url.to_owned(),
+            },
+            None => url.to_owned(),
+        },
     }
 }
 
@@ -292,6 +352,17 @@ impl RunConfig {
                 rule: "amqps:// asks for TLS, which is not supported yet".into(),
             });
         }
+        // Parsed here as the broker client will parse it, so a malformed URL is a usage
+        // error at start, not a connect failure retried for ever.
+        if let Err(e) = self.amqp_url.parse::<lapin::uri::AMQPUri>() {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: redact_url(&self.amqp_url),
+                rule: format!(
+                    "not an AMQP URL ({e}); expected amqp://user:password@host:port/vhost"
+                ),
+            });
+        }
         validate_identifier("--slot", &self.slot)?;
         validate_identifier("--publication", &self.publication)?;
         if self.exchange.is_empty() || self.exchange.len() > 255 {
@@ -301,13 +372,57 @@ impl RunConfig {
                 rule: "use 1 to 255 bytes (the default exchange \"\" cannot be declared)".into(),
             });
         }
-        if self.max_in_flight == 0 {
-            return Err(ValidationError {
-                setting: "--max-in-flight",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
+        check_range(
+            "--max-in-flight",
+            self.max_in_flight,
+            1,
+            MAX_IN_FLIGHT_CAP,
+            "messages",
+        )?;
+        check_range(
+            "--max-in-flight-bytes",
+            self.max_in_flight_bytes,
+            1,
+            MAX_IN_FLIGHT_BYTES_CAP,
+            "bytes",
+        )?;
+        check_range(
+            "--max-message-bytes",
+            self.max_message_bytes,
+            1,
+            MAX_MESSAGE_BYTES_CAP,
+            "bytes",
+        )?;
+        if let Some(broker_max) = self.broker_max_message_bytes {
+            check_range(
+                "--broker-max-message-bytes",
+                broker_max,
+                1,
+                MAX_MESSAGE_BYTES_CAP,
+                "bytes",
+            )?;
         }
+        check_range(
+            "--max-attempts",
+            self.max_attempts,
+            1,
+            MAX_ATTEMPTS_CAP,
+            "attempts",
+        )?;
+        check_range(
+            "--slot-busy-timeout-s",
+            self.slot_busy_timeout.map_or(0, |d| d.as_secs()),
+            0,
+            SLOT_BUSY_TIMEOUT_CAP.as_secs(),
+            "seconds (0 waits forever)",
+        )?;
+        check_range(
+            "--shutdown-timeout-s",
+            self.shutdown_timeout.as_secs(),
+            0,
+            SHUTDOWN_TIMEOUT_CAP.as_secs(),
+            "seconds",
+        )?;
         if self.read_coalesce > MAX_READ_COALESCE {
             return Err(ValidationError {
                 setting: "--read-coalesce-us",
@@ -318,22 +433,32 @@ impl RunConfig {
                 ),
             });
         }
-        if self.max_attempts == 0 {
-            return Err(ValidationError {
-                setting: "--max-attempts",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
-        }
-        if self.max_in_flight_bytes == 0 {
-            return Err(ValidationError {
-                setting: "--max-in-flight-bytes",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
-        }
         Ok(())
     }
+}
+
+/// Checks `min <= value <= max` for a numeric setting.
+///
+/// # Errors
+/// [`ValidationError`] naming `setting`, with the range and its `unit` in the rule.
+fn check_range<T>(
+    setting: &'static str,
+    value: T,
+    min: T,
+    max: T,
+    unit: &str,
+) -> Result<(), ValidationError>
+where
+    T: PartialOrd + std::fmt::Display,
+{
+    if value < min || value > max {
+        return Err(ValidationError {
+            setting,
+            value: value.to_string(),
+            rule: format!("must be from {min} to {max} {unit}"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -359,17 +484,19 @@ mod tests {
         while let Some(cmd) = stack.pop() {
             stack.extend(cmd.get_subcommands());
             for arg in cmd.get_arguments() {
-                if let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) {
+                if let Some(long) = arg.get_long() {
+                    // Every flag: env_of names its variable, or None when it has none.
                     assert_eq!(
                         env_of(&format!("--{long}")).as_deref(),
-                        env.to_str(),
-                        "--{long}"
+                        arg.get_env().and_then(|e| e.to_str()),
+                        "--{long} in {}",
+                        cmd.get_name()
                     );
                     checked += 1;
                 }
             }
         }
-        assert!(checked >= 15, "checked {checked} options");
+        assert!(checked >= 30, "checked {checked} options");
         let e = ValidationError {
             setting: "--read-coalesce-us",
             value: "200000".into(),
@@ -410,6 +537,17 @@ mod tests {
             "postgres://u:***@h:5/db"
         );
         assert!(!redact_url("amqp://guest:guest@h/%2f").contains("guest@"));
+        // Unparseable, with a password: masked all the same.
+        assert_eq!(
+            redact_url("amqp://g:s3cr@t@h:99999999/%2f"),
+            "amqp://g:***@h:99999999/%2f"
+        );
+        assert_eq!(
+            redact_url("postgres://日:é@[::1/db"),
+            "postgres://日:***@[::1/db"
+        );
+        // Without a password, the text as written.
+        assert_eq!(redact_url("postgres://u@h/é"), "postgres://u@h/é");
     }
 
     #[test]
@@ -423,5 +561,131 @@ mod tests {
             assert!(e.to_string().contains("TLS"), "{e}");
         }
         assert!(parse_database_url("postgres://u@h/db?sslmode=disable").is_ok());
+    }
+
+    /// A valid configuration, as the CLI builds it with its defaults.
+    fn base() -> RunConfig {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from([
+            "pgoutbox",
+            "run",
+            "--database-url",
+            "postgres://u@h/db",
+            "--amqp-url",
+            "amqp://g:g@h/%2f",
+        ])
+        .unwrap();
+        let crate::cli::Command::Run(args) = cli.command else {
+            unreachable!()
+        };
+        let config = args.into_config();
+        config.validate().unwrap();
+        config
+    }
+
+    #[test]
+    fn malformed_broker_urls_are_refused_without_their_password() {
+        for (url, why) in [
+            ("amqp://g:secret@h:99999999/%2f", "invalid port number"),
+            ("amqp://g:secret@h/%2f?heartbeat=é", "invalid digit"),
+            ("amqp://g:secret@h/%2f?channel_max=70000", "too large"),
+            ("amqp://g:secret@[::1/%2f", "invalid IPv6"),
+        ] {
+            let mut c = base();
+            c.amqp_url = url.into();
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.setting, "--amqp-url", "{url}");
+            let text = e.to_string();
+            assert!(
+                text.contains(why)
+                    && text.contains("expected amqp://user:password@host:port/vhost"),
+                "{url}: {text}"
+            );
+            assert!(!text.contains("secret"), "{text}");
+        }
+    }
+
+    #[test]
+    fn every_numeric_and_duration_setting_has_bounds() {
+        type Set = fn(&mut RunConfig, u64);
+        // (setting, how to set it, lowest accepted, highest accepted)
+        let cases: [(&str, Set, u64, u64); 8] = [
+            (
+                "--max-in-flight",
+                |c, v| c.max_in_flight = v as usize,
+                1,
+                1_000_000,
+            ),
+            (
+                "--max-in-flight-bytes",
+                |c, v| c.max_in_flight_bytes = v as usize,
+                1,
+                1 << 32,
+            ),
+            (
+                "--max-message-bytes",
+                |c, v| c.max_message_bytes = v as usize,
+                1,
+                512 << 20,
+            ),
+            (
+                "--broker-max-message-bytes",
+                |c, v| c.broker_max_message_bytes = Some(v as usize),
+                1,
+                512 << 20,
+            ),
+            ("--max-attempts", |c, v| c.max_attempts = v as u32, 1, 1_000),
+            (
+                "--slot-busy-timeout-s",
+                |c, v| c.slot_busy_timeout = Some(Duration::from_secs(v)),
+                0,
+                30 * 86_400,
+            ),
+            (
+                "--shutdown-timeout-s",
+                |c, v| c.shutdown_timeout = Duration::from_secs(v),
+                0,
+                86_400,
+            ),
+            (
+                "--read-coalesce-us",
+                |c, v| c.read_coalesce = Duration::from_micros(v),
+                0,
+                100_000,
+            ),
+        ];
+        for (setting, set, low, high) in cases {
+            for ok in [low, high] {
+                let mut c = base();
+                set(&mut c, ok);
+                assert_eq!(c.validate(), Ok(()), "{setting} = {ok}");
+            }
+            let mut bad = vec![high + 1];
+            if low > 0 {
+                bad.push(low - 1);
+            }
+            // The inputs that used to panic or wrap: u64::MAX seconds overflows `Instant`.
+            if setting != "--max-attempts" {
+                bad.push(u64::MAX);
+            }
+            for value in bad {
+                let mut c = base();
+                set(&mut c, value);
+                let e = c.validate().unwrap_err();
+                assert_eq!(e.setting, setting, "{value}");
+                assert_eq!(e.value, value.to_string());
+                let env = env_of(setting).unwrap();
+                assert!(
+                    e.to_string().starts_with(&format!(
+                        "invalid setting {setting} ({env}) = \"{value}\": must be"
+                    )) && e.to_string().contains(&high.to_string()),
+                    "{e}"
+                );
+            }
+        }
+        // 0 seconds of slot-busy timeout means "wait forever", not an out-of-range value.
+        let mut c = base();
+        c.slot_busy_timeout = None;
+        assert_eq!(c.validate(), Ok(()));
     }
 }

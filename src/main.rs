@@ -8,8 +8,21 @@ use pgoutbox::config::{parse_database_url, validate_identifier};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
 
+/// Exit status of a usage error: a bad flag or value on the command line or in a
+/// `PGOUTBOX_*` variable, whether clap or our validation finds it (clap exits 2 itself).
+const EXIT_USAGE: u8 = 2;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Settings are checked before anything else happens, so a bad one is a usage error
+    // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
+    // u64::MAX seconds used to overflow `Instant` at SIGTERM).
+    if let Command::Run(args) = &cli.command {
+        if let Err(e) = args.clone().into_config().validate() {
+            eprintln!("{}", render_report(&e));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    }
     // lapin logs returned messages (with their payload) at warn and its own connection
     // failures at error; pgoutbox reports both itself, so lapin stays silent by default.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -37,7 +50,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{}", render_report(&e));
-            ExitCode::FAILURE
+            if matches!(e, Error::Config(_)) {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -190,8 +207,22 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             } else {
                 admin::Selection::Ids(args.id)
             };
-            let n = admin::requeue_dead_letters(&mut client, &selection).await?;
-            println!("requeued {n} dead letters");
+            let ids = admin::requeue_dead_letters(&mut client, &selection).await?;
+            println!(
+                "requeued {} dead letters{}",
+                ids.len(),
+                if ids.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (ids {})",
+                        ids.iter()
+                            .map(i64::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            );
             Ok(())
         }
         DeadLetterCommand::Purge(args) => {

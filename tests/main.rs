@@ -3,6 +3,7 @@
 mod support;
 
 mod chaos;
+mod cli;
 mod end_to_end;
 mod errors;
 mod faults;
