@@ -320,6 +320,40 @@ mod tests {
     use clap::Parser;
 
     #[test]
+    fn validation_errors_name_the_flag_and_its_environment_variable() {
+        // The rule env_of relies on holds for every option of every subcommand.
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut checked = 0;
+        let mut stack: Vec<&clap::Command> = vec![&cli];
+        while let Some(cmd) = stack.pop() {
+            stack.extend(cmd.get_subcommands());
+            for arg in cmd.get_arguments() {
+                if let Some(long) = arg.get_long() {
+                    // Every flag: env_of names its variable, or None when it has none.
+                    assert_eq!(
+                        crate::config::env_of(&format!("--{long}")).as_deref(),
+                        arg.get_env().and_then(|e| e.to_str()),
+                        "--{long} in {}",
+                        cmd.get_name()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 30, "checked {checked} options");
+        let e = crate::config::ValidationError {
+            setting: "--read-coalesce-us",
+            value: "200000".into(),
+            rule: "must be at most 100000".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"200000\": must be at most 100000"
+        );
+    }
+
+    #[test]
     fn ages_parse_without_slicing_inside_a_character() {
         assert_eq!(parse_age_secs("0s"), Ok(0));
         assert_eq!(parse_age_secs("90s"), Ok(90));

@@ -82,22 +82,6 @@ impl std::fmt::Debug for ReplicationConnection {
     }
 }
 
-/// Refuses TLS settings before any byte is sent: TLS is not built yet and a plaintext
-/// connection must never be made when TLS was asked for.
-///
-/// # Errors
-/// [`Error::TlsUnsupported`] for `sslmode=require|verify-ca|verify-full` in `raw_url`.
-pub fn refuse_tls(raw_url: &str) -> Result<(), Error> {
-    for mode in ["require", "verify-ca", "verify-full"] {
-        if raw_url.contains(&format!("sslmode={mode}")) {
-            return Err(Error::TlsUnsupported {
-                mode: mode.to_owned(),
-            });
-        }
-    }
-    Ok(())
-}
-
 impl ReplicationConnection {
     /// Connects and authenticates with `replication=database`.
     ///
