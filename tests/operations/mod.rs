@@ -129,12 +129,24 @@ async fn run_refuses_bad_settings_before_touching_anything() {
     let tls_db = format!("{url}?sslmode=require");
     let out = pgoutbox(&["run", "--database-url", &tls_db, "--amqp-url", &amqp]);
     assert!(
+        !out.status.success() && out.status.code().is_some(),
+        "TLS refused with a non-zero exit: {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(
         stderr(&out).contains("TLS, which is not supported yet"),
         "{}",
         stderr(&out)
     );
     let tls_amqp = amqp.replace("amqp://", "amqps://");
     let out = pgoutbox(&["run", "--database-url", &url, "--amqp-url", &tls_amqp]);
+    assert!(
+        !out.status.success() && out.status.code().is_some(),
+        "TLS refused with a non-zero exit: {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
     assert!(
         stderr(&out).contains("TLS, which is not supported yet"),
         "{}",
