@@ -530,6 +530,17 @@ async fn case_c2_broker_connections_closed_then_crash() {
         "publishing resumed after the reconnect:\n{}",
         streamer.log()
     );
+    // The new session acknowledges what it publishes (a session start alone may move the
+    // slot to where the last one left it).
+    let resumed_slot = ob.confirmed_flush();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() > resumed_slot
+        })
+        .await,
+        "the slot advances in the session after the reconnect: stuck at {resumed_slot:X}\n{}",
+        streamer.log()
+    );
     // Land the kill with messages confirmed by the broker but not yet acknowledged to
     // Postgres: freeze the streamer, read the slot, take what is in the queue; if nothing
     // in it lies past the slot (a status update just went out), let it run a little and

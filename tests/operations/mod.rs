@@ -660,12 +660,31 @@ async fn poison_and_oversized_messages_are_dead_lettered_raw() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blocked_broker_fills_the_window_without_losing_the_connection() {
+/// Messages of the window tests: about 8 KB of payload each, so the WAL they span (about
+/// 40 MB) dwarfs what socket buffers and the read buffer can hold, and the replication
+/// position the server has sent tells how far the streamer read.
+const WINDOW_TEST_MESSAGES: i64 = 5_000;
+const WINDOW_TEST_PAD: usize = 8_000;
+
+/// How far the server has sent the slot's stream (`pg_stat_replication.sent_lsn`).
+fn sent_lsn(ob: &Outbox<'_>) -> Option<u64> {
+    ob.sql("SELECT sent_lsn - '0/0'::pg_lsn FROM pg_stat_replication WHERE application_name LIKE 'pgoutbox-%'")
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .map(|v| v as u64)
+}
+
+/// With the broker blocked (memory alarm) and `window_args` bounding the in-flight window,
+/// the streamer stops reading the replication stream once the window is full, keeps the
+/// connection alive with status updates, acknowledges nothing, and delivers everything in
+/// order once unblocked. Returns (bytes of WAL the server sent past the first message, WAL
+/// the messages span, peak RSS in kB).
+async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u64, u64, u64) {
     let pg = Postgres::start_private(&[("wal_sender_timeout", "3s")]);
     let rmq = RabbitMq::start_private();
-    let ob = Outbox::new(&pg, &rmq.url(), "ops_block").await;
-    let streamer = ob.run(&["--max-in-flight", "200"]);
+    let ob = Outbox::new(&pg, &rmq.url(), name).await;
+    let streamer = ob.run(window_args);
     assert!(
         support::wait_until(scaled(Duration::from_secs(20)), || async {
             ob.slot_active()
@@ -674,15 +693,18 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
     );
     rmq.block();
     let first_lsn = lsn(&ob.sql("SELECT outbox.emit('b', '{}', '{}', 'b-0')"));
+    let per_txn = WINDOW_TEST_MESSAGES / 5;
     for t in 0..5 {
         ob.sql(&format!(
-            "DO $$ BEGIN FOR n IN {}..{} LOOP PERFORM outbox.emit('b', jsonb_build_object('n', n), '{{}}', 'b-' || n); END LOOP; END $$",
-            t * 1000 + 1,
-            t * 1000 + 1000
+            "DO $$ BEGIN FOR n IN {}..{} LOOP PERFORM outbox.emit('b', jsonb_build_object('n', n, 'pad', repeat('x', {WINDOW_TEST_PAD})), '{{}}', 'b-' || n); END LOOP; END $$",
+            t * per_txn + 1,
+            t * per_txn + per_txn
         ));
     }
+    let wal_end = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
     // Four times wal_sender_timeout with the broker blocked and the window full.
     let deadline = std::time::Instant::now() + Duration::from_secs(12);
+    let mut sent_max = 0;
     while std::time::Instant::now() < deadline {
         assert!(
             streamer.try_status().is_none(),
@@ -690,6 +712,7 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
             streamer.log()
         );
         assert!(ob.slot_active(), "the replication connection was dropped");
+        sent_max = sent_max.max(sent_lsn(&ob).unwrap_or(0));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(
@@ -708,16 +731,58 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
         })
         .unwrap();
     rmq.unblock();
-    let got = ob.drain(5_001, scaled(Duration::from_secs(60))).await;
-    assert_eq!(got.len(), 5_001, "{}", streamer.log());
+    let total = WINDOW_TEST_MESSAGES as usize + 1;
+    let got = ob.drain(total, scaled(Duration::from_secs(60))).await;
+    assert_eq!(got.len(), total, "{}", streamer.log());
     let ns: Vec<i64> = got
         .iter()
         .map(|m| m.message_id.clone().unwrap()[2..].parse().unwrap())
         .collect();
     assert!(ns.windows(2).all(|w| w[0] < w[1]), "in order");
-    eprintln!("blocked broker: peak RSS {rss_kb} kB with a 200-message window");
+    (
+        sent_max.saturating_sub(first_lsn),
+        wal_end - first_lsn,
+        rss_kb,
+    )
+}
+
+/// The read-ahead a full window may leave: socket buffers on both sides and the streamer's
+/// read buffer (8 MB measured on loopback), well under the 40 MB the messages span.
+const READ_AHEAD_BOUND: u64 = 16 * 1024 * 1024;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_broker_fills_the_window_without_losing_the_connection() {
+    // 100 messages of 8 KB: the message bound is the one that binds (the byte bound, 16 MiB
+    // by default, would allow 2,000).
+    let (sent, span, rss_kb) =
+        blocked_broker_holds_the_window(&["--max-in-flight", "100"], "ops_block").await;
+    eprintln!(
+        "blocked broker, --max-in-flight 100: the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+    );
+    assert!(span > 2 * READ_AHEAD_BOUND, "the load spans {span} bytes");
+    assert!(
+        sent < READ_AHEAD_BOUND,
+        "with 100 messages in flight the streamer read {sent} bytes of WAL of {span}: the window did not stop it"
+    );
     assert!(
         rss_kb < 128 * 1024,
         "memory stays bounded while the broker is blocked"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_broker_fills_the_byte_window() {
+    // 64 KiB of payload: about 8 messages of 8 KB, while the message bound (10,000 by
+    // default) would allow all 5,000.
+    let (sent, span, rss_kb) =
+        blocked_broker_holds_the_window(&["--max-in-flight-bytes", "65536"], "ops_block_bytes")
+            .await;
+    eprintln!(
+        "blocked broker, --max-in-flight-bytes 65536: the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+    );
+    assert!(span > 2 * READ_AHEAD_BOUND, "the load spans {span} bytes");
+    assert!(
+        sent < READ_AHEAD_BOUND,
+        "with 64 KiB in flight the streamer read {sent} bytes of WAL of {span}: the byte window did not stop it"
     );
 }
