@@ -28,11 +28,34 @@ fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,lapin=off,tokio_postgres=warn")
     });
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Whatever RUST_LOG asks for, the client libraries never log below what is safe: lapin's
+    // trace output carries the AMQP PLAIN credentials (connection.start-ok) and its warnings
+    // returned payloads; tokio-postgres logs query parameters (dead-letter envelopes) at
+    // debug. pgoutbox's own events never carry either.
+    let secrets_safe = tracing_subscriber::filter::filter_fn(|meta| {
+        let target = meta.target();
+        if target.starts_with("lapin") || target.starts_with("amq_protocol") {
+            false
+        } else if target.starts_with("tokio_postgres") || target.starts_with("postgres_protocol") {
+            *meta.level() <= tracing::Level::WARN
+        } else {
+            true
+        }
+    });
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        use tracing_subscriber::Layer;
+        tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .with_filter(secrets_safe)
+                    .with_filter(filter),
+            )
+            .init();
+    }
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
     // itself. lapin runs its socket I/O on a thread of its own either way.

@@ -9,5 +9,6 @@ mod errors;
 mod faults;
 mod hardening;
 mod harness_smoke;
+mod lifecycle;
 mod operations;
 mod proxy_smoke;
