@@ -192,7 +192,7 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
     // Per kill: where `consumed` stood, and the ids delivered before it that the slot had
     // not passed (they must be delivered again after it).
     let mut kills: Vec<(usize, HashSet<String>)> = Vec::new();
-    let sessions = |s: &Streamer| s.log_count("pgoutbox::pipeline: streaming");
+    let sessions = |s: &Streamer| s.log_count(": streaming slot=");
     for (round, fault) in schedule.iter().enumerate() {
         // Let traffic flow, then inject.
         let before = queue_len().await;

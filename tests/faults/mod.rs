@@ -180,7 +180,7 @@ async fn postgres_restart_and_cut_connections_are_survived() {
         async move {
             assert!(
                 support::wait_until(scaled(Duration::from_secs(60)), || async {
-                    streamer.log_count("pgoutbox::pipeline: streaming") >= n
+                    streamer.log_count(": streaming slot=") >= n
                 })
                 .await,
                 "session {n} started:\n{}",

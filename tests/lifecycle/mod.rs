@@ -30,10 +30,7 @@ async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
     let streamer = ob.run(&["--shutdown-timeout-s", "3"]);
     assert!(
         streamer
-            .wait_for_log(
-                "pgoutbox::pipeline: streaming",
-                scaled(Duration::from_secs(20))
-            )
+            .wait_for_log(": streaming slot=", scaled(Duration::from_secs(20)))
             .await,
         "{}",
         streamer.log()
@@ -130,10 +127,7 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
     let streamer = ob.run_with_url(&via_proxy, &[]);
     assert!(
         streamer
-            .wait_for_log(
-                "pgoutbox::pipeline: streaming",
-                scaled(Duration::from_secs(20))
-            )
+            .wait_for_log(": streaming slot=", scaled(Duration::from_secs(20)))
             .await,
         "{}",
         streamer.log()
@@ -166,7 +160,7 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
     );
     assert!(
         support::wait_until(scaled(Duration::from_secs(60)), || async {
-            streamer.log_count("pgoutbox::pipeline: streaming") >= 2
+            streamer.log_count(": streaming slot=") >= 2
         })
         .await,
         "a new session starts:\n{}",
