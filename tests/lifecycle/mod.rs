@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::support::{self, lsn, scaled, Outbox, Postgres, Proxy, RabbitMq, Streamer};
 
-/// Waits until the streamer has read and published the transaction that ends at or after
-/// `msg_lsn` (its trace log shows the commit), so the message is in flight.
+/// Waits until the streamer's trace log shows `n` more commits than `commits_before`: it has
+/// read (and published) those transactions, so their messages are in flight.
 async fn wait_in_flight(streamer: &Streamer, commits_before: usize, n: usize) {
     assert!(
         support::wait_until(scaled(Duration::from_secs(20)), || async {
