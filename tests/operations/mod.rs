@@ -660,9 +660,7 @@ async fn poison_and_oversized_messages_are_dead_lettered_raw() {
     );
 }
 
-/// Messages of the window tests: about 8 KB of payload each, so the WAL they span (about
-/// 40 MB) dwarfs what socket buffers and the read buffer can hold, and the replication
-/// position the server has sent tells how far the streamer read.
+/// Messages of the window tests: 5,000 of about 8 KB each (about 40 MB of WAL).
 const WINDOW_TEST_MESSAGES: i64 = 5_000;
 const WINDOW_TEST_PAD: usize = 8_000;
 
@@ -677,14 +675,20 @@ fn sent_lsn(ob: &Outbox<'_>) -> Option<u64> {
 
 /// With the broker blocked (memory alarm) and `window_args` bounding the in-flight window,
 /// the streamer stops reading the replication stream once the window is full, keeps the
-/// connection alive with status updates, acknowledges nothing, and delivers everything in
-/// order once unblocked. Returns (bytes of WAL the server sent past the first message, WAL
-/// the messages span, peak RSS in kB).
-async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u64, u64, u64) {
+/// connection alive with status updates and acknowledges nothing. SIGTERM then times out
+/// (`--shutdown-timeout-s 1`) and the error counts the messages it had published and not
+/// settled: the window, exactly. Once the broker is unblocked a new streamer delivers every
+/// message, first deliveries in order. Returns (messages in flight at the SIGTERM, bytes of
+/// WAL the server had sent past the first message, WAL the messages span, peak RSS in kB).
+/// The sent position is a figure only: the replication socket's buffers (the receive buffer
+/// autotunes up to `tcp_rmem`'s maximum, 32 MB here) can hold most of the load.
+async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u64, u64, u64, u64) {
     let pg = Postgres::start_private(&[("wal_sender_timeout", "3s")]);
     let rmq = RabbitMq::start_private();
     let ob = Outbox::new(&pg, &rmq.url(), name).await;
-    let streamer = ob.run(window_args);
+    let mut args = vec!["--shutdown-timeout-s", "1"];
+    args.extend_from_slice(window_args);
+    let streamer = ob.run(&args);
     assert!(
         support::wait_until(scaled(Duration::from_secs(20)), || async {
             ob.slot_active()
@@ -730,40 +734,59 @@ async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u
                 .map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().unwrap())
         })
         .unwrap();
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let log = streamer.log();
+    assert_eq!(
+        status.map(|s| s.success()),
+        Some(false),
+        "the drain timed out:\n{log}"
+    );
+    let in_flight: u64 = log
+        .split("shutdown timed out with ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the timed-out drain counts what was in flight:\n{log}"));
+    assert!(
+        ob.confirmed_flush() < first_lsn,
+        "nothing unconfirmed was acknowledged"
+    );
     rmq.unblock();
+    let again = ob.run(&[]);
     let total = WINDOW_TEST_MESSAGES as usize + 1;
     let got = ob.drain(total, scaled(Duration::from_secs(60))).await;
-    assert_eq!(got.len(), total, "{}", streamer.log());
-    let ns: Vec<i64> = got
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<i64> = got
         .iter()
-        .map(|m| m.message_id.clone().unwrap()[2..].parse().unwrap())
+        .filter_map(|m| m.message_id.clone())
+        .filter(|id| seen.insert(id.clone()))
+        .map(|id| id[2..].parse().unwrap())
         .collect();
-    assert!(ns.windows(2).all(|w| w[0] < w[1]), "in order");
+    assert_eq!(firsts.len(), total, "{}", again.log());
+    assert!(firsts.windows(2).all(|w| w[0] < w[1]), "in order");
     (
+        in_flight,
         sent_max.saturating_sub(first_lsn),
         wal_end - first_lsn,
         rss_kb,
     )
 }
 
-/// The read-ahead a full window may leave: socket buffers on both sides and the streamer's
-/// read buffer (8 MB measured on loopback), well under the 40 MB the messages span.
-const READ_AHEAD_BOUND: u64 = 16 * 1024 * 1024;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_broker_fills_the_window_without_losing_the_connection() {
     // 100 messages of 8 KB: the message bound is the one that binds (the byte bound, 16 MiB
     // by default, would allow 2,000).
-    let (sent, span, rss_kb) =
+    let (in_flight, sent, span, rss_kb) =
         blocked_broker_holds_the_window(&["--max-in-flight", "100"], "ops_block").await;
     eprintln!(
-        "blocked broker, --max-in-flight 100: the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+        "blocked broker, --max-in-flight 100: {in_flight} messages in flight at the SIGTERM; the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
     );
-    assert!(span > 2 * READ_AHEAD_BOUND, "the load spans {span} bytes");
     assert!(
-        sent < READ_AHEAD_BOUND,
-        "with 100 messages in flight the streamer read {sent} bytes of WAL of {span}: the window did not stop it"
+        in_flight <= 100,
+        "{in_flight} messages in flight with --max-in-flight 100 (of {WINDOW_TEST_MESSAGES} emitted)"
     );
+    assert!(in_flight >= 50, "the window filled: {in_flight} in flight");
     assert!(
         rss_kb < 128 * 1024,
         "memory stays bounded while the broker is blocked"
@@ -774,15 +797,18 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
 async fn blocked_broker_fills_the_byte_window() {
     // 64 KiB of payload: about 8 messages of 8 KB, while the message bound (10,000 by
     // default) would allow all 5,000.
-    let (sent, span, rss_kb) =
+    let (in_flight, sent, span, rss_kb) =
         blocked_broker_holds_the_window(&["--max-in-flight-bytes", "65536"], "ops_block_bytes")
             .await;
     eprintln!(
-        "blocked broker, --max-in-flight-bytes 65536: the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+        "blocked broker, --max-in-flight-bytes 65536: {in_flight} messages in flight at the SIGTERM; the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
     );
-    assert!(span > 2 * READ_AHEAD_BOUND, "the load spans {span} bytes");
+    // The window admits a message while it holds less than the bound, so one message may
+    // take it past: the tiny first message (`b-0`), then 65,536 / 8,000 + 1 large ones.
+    let bound = 1 + 65_536 / WINDOW_TEST_PAD as u64 + 1;
     assert!(
-        sent < READ_AHEAD_BOUND,
-        "with 64 KiB in flight the streamer read {sent} bytes of WAL of {span}: the byte window did not stop it"
+        in_flight <= bound,
+        "{in_flight} messages of about {WINDOW_TEST_PAD} bytes in flight with --max-in-flight-bytes 65536 (at most {bound})"
     );
+    assert!(in_flight >= 1, "the window filled: {in_flight} in flight");
 }
