@@ -208,7 +208,7 @@ async fn usage_errors_exit_2_and_other_errors_exit_1() {
     let (code, err) = outcome(&out);
     assert_eq!(code, Some(1), "{err}");
     assert!(
-        err.contains("does not exist; run `pgoutbox setup`"),
+        err.contains("does not exist; run `pgoutbox setup --slot no_such_slot`"),
         "{err}"
     );
     // --help and --version succeed.
