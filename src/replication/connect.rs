@@ -188,119 +188,15 @@ impl ReplicationConnection {
     }
 
     async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<(), Error> {
-        const CTX: &str = "authenticating";
-        let need_password = || Error::PasswordMissing {
-            user: user.to_owned(),
-        };
-        let mut scram: Option<ScramSha256> = None;
+        let mut startup = Startup::new(user, password);
         loop {
-            match self.read_message(CTX).await? {
-                backend::Message::AuthenticationOk => {}
-                backend::Message::AuthenticationCleartextPassword => {
-                    let pw = password.ok_or_else(need_password)?;
-                    self.send_password(pw).await?;
-                }
-                backend::Message::AuthenticationMd5Password(body) => {
-                    let pw = password.ok_or_else(need_password)?;
-                    let hash = postgres_protocol::authentication::md5_hash(
-                        user.as_bytes(),
-                        pw,
-                        body.salt(),
-                    );
-                    self.send_password(hash.as_bytes()).await?;
-                }
-                backend::Message::AuthenticationSasl(body) => {
-                    use fallible_iterator::FallibleIterator;
-                    let pw = password.ok_or_else(need_password)?;
-                    let mut mechanisms = body.mechanisms();
-                    let mut has_scram = false;
-                    while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
-                        context: CTX,
-                        detail: format!("bad SASL mechanism list: {e}"),
-                    })? {
-                        has_scram |= m == SCRAM_SHA_256;
-                    }
-                    if !has_scram {
-                        return Err(Error::UnsupportedAuth {
-                            method: "SASL without SCRAM-SHA-256".into(),
-                        });
-                    }
-                    // Channel binding needs TLS, which we do not speak yet.
-                    let s = ScramSha256::new(pw, ChannelBinding::unsupported());
-                    frontend::sasl_initial_response(
-                        SCRAM_SHA_256,
-                        s.message(),
-                        &mut self.write_buf,
-                    )
-                    .map_err(|source| Error::Io {
-                        context: CTX,
-                        source,
-                    })?;
-                    self.flush(CTX).await?;
-                    scram = Some(s);
-                }
-                backend::Message::AuthenticationSaslContinue(body) => {
-                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
-                        context: CTX,
-                        detail: "SASLContinue before SASL".into(),
-                    })?;
-                    s.update(body.data()).map_err(Error::Scram)?;
-                    frontend::sasl_response(s.message(), &mut self.write_buf).map_err(
-                        |source| Error::Io {
-                            context: CTX,
-                            source,
-                        },
-                    )?;
-                    self.flush(CTX).await?;
-                }
-                backend::Message::AuthenticationSaslFinal(body) => {
-                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
-                        context: CTX,
-                        detail: "SASLFinal before SASL".into(),
-                    })?;
-                    s.finish(body.data()).map_err(Error::Scram)?;
-                }
-                backend::Message::AuthenticationKerberosV5 => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "Kerberos V5".into(),
-                    })
-                }
-                backend::Message::AuthenticationScmCredential => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "SCM credential".into(),
-                    })
-                }
-                backend::Message::AuthenticationGss | backend::Message::AuthenticationSspi => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "GSSAPI/SSPI".into(),
-                    })
-                }
-                backend::Message::ParameterStatus(_)
-                | backend::Message::BackendKeyData(_)
-                | backend::Message::NoticeResponse(_) => {}
-                backend::Message::ReadyForQuery(_) => return Ok(()),
-                backend::Message::ErrorResponse(body) => {
-                    return Err(Error::Server {
-                        context: "the connection",
-                        error: Box::new(ServerError::from_body(&body)),
-                    })
-                }
-                _ => {
-                    return Err(Error::Protocol {
-                        context: CTX,
-                        detail: "unexpected message during startup".into(),
-                    })
-                }
+            let msg = self.read_message(STARTUP_CTX).await?;
+            match startup.step(msg, &mut self.write_buf)? {
+                StartupStep::Wait => {}
+                StartupStep::Send { context } => self.flush(context).await?,
+                StartupStep::Ready => return Ok(()),
             }
         }
-    }
-
-    async fn send_password(&mut self, pw: &[u8]) -> Result<(), Error> {
-        frontend::password_message(pw, &mut self.write_buf).map_err(|source| Error::Io {
-            context: "sending the password",
-            source,
-        })?;
-        self.flush("sending the password").await
     }
 
     async fn flush(&mut self, context: &'static str) -> Result<(), Error> {
@@ -318,32 +214,10 @@ impl ReplicationConnection {
         context: &'static str,
     ) -> Result<Option<backend::Message>, Error> {
         loop {
-            if self.read_buf.first() == Some(&b'W') && self.read_buf.len() >= 5 {
-                let len = i32::from_be_bytes([
-                    self.read_buf[1],
-                    self.read_buf[2],
-                    self.read_buf[3],
-                    self.read_buf[4],
-                ]);
-                let total = usize::try_from(len)
-                    .ok()
-                    .filter(|l| *l >= 4)
-                    .map(|l| l + 1)
-                    .ok_or_else(|| Error::Protocol {
-                        context,
-                        detail: format!("CopyBothResponse with length {len}"),
-                    })?;
-                if self.read_buf.len() >= total {
-                    self.read_buf.advance(total);
-                    return Ok(None);
-                }
-            } else if let Some(msg) =
-                backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
-                    context,
-                    detail: e.to_string(),
-                })?
-            {
-                return Ok(Some(msg));
+            match parse_backend_message(&mut self.read_buf, context)? {
+                Some(BackendFrame::Message(msg)) => return Ok(Some(msg)),
+                Some(BackendFrame::CopyBothResponse) => return Ok(None),
+                None => {}
             }
             let n = self
                 .socket
@@ -503,4 +377,223 @@ impl ReplicationConnection {
         read_buf.reserve(READ_CHUNK);
         Ok(ReplicationStream::new(self.socket, read_buf))
     }
+}
+
+/// The error context of the start-up and authentication exchange.
+const STARTUP_CTX: &str = "authenticating";
+
+/// One server message before COPY BOTH, as [`parse_backend_message`] splits it off.
+pub enum BackendFrame {
+    /// A message postgres-protocol parses (authentication requests, `ErrorResponse`,
+    /// `ReadyForQuery`, rows, ...).
+    Message(backend::Message),
+    /// A CopyBothResponse (`W`), which postgres-protocol does not parse; its body is skipped.
+    CopyBothResponse,
+}
+
+impl std::fmt::Debug for BackendFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendFrame::Message(_) => f.write_str("BackendFrame::Message(..)"),
+            BackendFrame::CopyBothResponse => f.write_str("BackendFrame::CopyBothResponse"),
+        }
+    }
+}
+
+/// Splits one complete server message off the front of `buf`, without I/O.
+///
+/// Returns `Ok(None)` when `buf` does not yet hold a complete message: read more bytes into
+/// it and call again. `context` names what the caller was doing, for errors.
+///
+/// # Errors
+/// [`Error::Protocol`] when the message header or body is malformed (for example a length
+/// below 4).
+pub fn parse_backend_message(
+    buf: &mut BytesMut,
+    context: &'static str,
+) -> Result<Option<BackendFrame>, Error> {
+    if buf.first() == Some(&b'W') && buf.len() >= 5 {
+        let len = i32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]);
+        let total = usize::try_from(len)
+            .ok()
+            .filter(|l| *l >= 4)
+            .map(|l| l + 1)
+            .ok_or_else(|| Error::Protocol {
+                context,
+                detail: format!("CopyBothResponse with length {len}"),
+            })?;
+        if buf.len() >= total {
+            buf.advance(total);
+            return Ok(Some(BackendFrame::CopyBothResponse));
+        }
+        return Ok(None);
+    }
+    let msg = backend::Message::parse(buf).map_err(|e| Error::Protocol {
+        context,
+        detail: e.to_string(),
+    })?;
+    Ok(msg.map(BackendFrame::Message))
+}
+
+/// What to do after [`Startup::step`] handled one server message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartupStep {
+    /// Nothing to send: read the next message.
+    Wait,
+    /// Send the frontend message(s) `step` appended to its `out` buffer, then read the next
+    /// message; `context` names the send in I/O errors.
+    Send {
+        /// What the send is, e.g. `"sending the password"`.
+        context: &'static str,
+    },
+    /// `ReadyForQuery`: start-up is complete and the session takes commands.
+    Ready,
+}
+
+/// The client side of start-up and authentication, without I/O: one server message in,
+/// one [`StartupStep`] (and maybe a frontend message appended to a buffer) out.
+///
+/// Speaks trust, cleartext password, MD5 and SCRAM-SHA-256 without channel binding, and
+/// refuses other methods with [`Error::UnsupportedAuth`]. Follows the PostgreSQL docs,
+/// "Frontend/Backend Protocol / Message Flow / Start-up".
+pub struct Startup<'a> {
+    user: &'a str,
+    password: Option<&'a [u8]>,
+    scram: Option<ScramSha256>,
+}
+
+impl std::fmt::Debug for Startup<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Startup")
+            .field("user", &self.user)
+            .field("has_password", &self.password.is_some())
+            .field("scram_started", &self.scram.is_some())
+            .finish()
+    }
+}
+
+impl<'a> Startup<'a> {
+    /// A new exchange for role `user`, with the URL's password if it has one.
+    pub fn new(user: &'a str, password: Option<&'a [u8]>) -> Self {
+        Startup {
+            user,
+            password,
+            scram: None,
+        }
+    }
+
+    /// Handles one server message of the start-up phase, appending any reply to `out`.
+    ///
+    /// # Errors
+    /// [`Error::Server`] for an `ErrorResponse` (for example a wrong password, `28P01`);
+    /// [`Error::PasswordMissing`] when the server asks for a password and there is none;
+    /// [`Error::UnsupportedAuth`] for Kerberos, SCM, GSSAPI/SSPI or SASL without
+    /// SCRAM-SHA-256; [`Error::Scram`] when the SCRAM exchange fails;
+    /// [`Error::Protocol`] for a message that does not belong in start-up.
+    pub fn step(
+        &mut self,
+        msg: backend::Message,
+        out: &mut BytesMut,
+    ) -> Result<StartupStep, Error> {
+        const CTX: &str = STARTUP_CTX;
+        let need_password = || Error::PasswordMissing {
+            user: self.user.to_owned(),
+        };
+        match msg {
+            backend::Message::AuthenticationOk => Ok(StartupStep::Wait),
+            backend::Message::AuthenticationCleartextPassword => {
+                let pw = self.password.ok_or_else(need_password)?;
+                password_step(pw, out)
+            }
+            backend::Message::AuthenticationMd5Password(body) => {
+                let pw = self.password.ok_or_else(need_password)?;
+                let hash = postgres_protocol::authentication::md5_hash(
+                    self.user.as_bytes(),
+                    pw,
+                    body.salt(),
+                );
+                password_step(hash.as_bytes(), out)
+            }
+            backend::Message::AuthenticationSasl(body) => {
+                use fallible_iterator::FallibleIterator;
+                let pw = self.password.ok_or_else(need_password)?;
+                let mut mechanisms = body.mechanisms();
+                let mut has_scram = false;
+                while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
+                    context: CTX,
+                    detail: format!("bad SASL mechanism list: {e}"),
+                })? {
+                    has_scram |= m == SCRAM_SHA_256;
+                }
+                if !has_scram {
+                    return Err(Error::UnsupportedAuth {
+                        method: "SASL without SCRAM-SHA-256".into(),
+                    });
+                }
+                // Channel binding needs TLS, which we do not speak yet.
+                let s = ScramSha256::new(pw, ChannelBinding::unsupported());
+                frontend::sasl_initial_response(SCRAM_SHA_256, s.message(), out).map_err(
+                    |source| Error::Io {
+                        context: CTX,
+                        source,
+                    },
+                )?;
+                self.scram = Some(s);
+                Ok(StartupStep::Send { context: CTX })
+            }
+            backend::Message::AuthenticationSaslContinue(body) => {
+                let s = self.scram.as_mut().ok_or_else(|| Error::Protocol {
+                    context: CTX,
+                    detail: "SASLContinue before SASL".into(),
+                })?;
+                s.update(body.data()).map_err(Error::Scram)?;
+                frontend::sasl_response(s.message(), out).map_err(|source| Error::Io {
+                    context: CTX,
+                    source,
+                })?;
+                Ok(StartupStep::Send { context: CTX })
+            }
+            backend::Message::AuthenticationSaslFinal(body) => {
+                let s = self.scram.as_mut().ok_or_else(|| Error::Protocol {
+                    context: CTX,
+                    detail: "SASLFinal before SASL".into(),
+                })?;
+                s.finish(body.data()).map_err(Error::Scram)?;
+                Ok(StartupStep::Wait)
+            }
+            backend::Message::AuthenticationKerberosV5 => Err(Error::UnsupportedAuth {
+                method: "Kerberos V5".into(),
+            }),
+            backend::Message::AuthenticationScmCredential => Err(Error::UnsupportedAuth {
+                method: "SCM credential".into(),
+            }),
+            backend::Message::AuthenticationGss | backend::Message::AuthenticationSspi => {
+                Err(Error::UnsupportedAuth {
+                    method: "GSSAPI/SSPI".into(),
+                })
+            }
+            backend::Message::ParameterStatus(_)
+            | backend::Message::BackendKeyData(_)
+            | backend::Message::NoticeResponse(_) => Ok(StartupStep::Wait),
+            backend::Message::ReadyForQuery(_) => Ok(StartupStep::Ready),
+            backend::Message::ErrorResponse(body) => Err(Error::Server {
+                context: "the connection",
+                error: Box::new(ServerError::from_body(&body)),
+            }),
+            _ => Err(Error::Protocol {
+                context: CTX,
+                detail: "unexpected message during startup".into(),
+            }),
+        }
+    }
+}
+
+/// Appends a PasswordMessage carrying `pw` (cleartext or an MD5 hash) to `out`.
+fn password_step(pw: &[u8], out: &mut BytesMut) -> Result<StartupStep, Error> {
+    const CTX: &str = "sending the password";
+    frontend::password_message(pw, out).map_err(|source| Error::Io {
+        context: CTX,
+        source,
+    })?;
+    Ok(StartupStep::Send { context: CTX })
 }
