@@ -70,6 +70,16 @@ cd = {
     "keepalive_reply": b"k" + struct.pack(">QqB", 0x16B3800, 786_000_000_000_000, 1),
     "keepalive_short": b"k" + struct.pack(">Q", 0x16B3800),
 }
+def frame(tag, body):
+    return tag + struct.pack(">i", len(body) + 4) + body
+
+
+cd["stream_transaction"] = (frame(b"d", cd["xlog_begin"]) + frame(b"d", cd["xlog_message"])
+                            + frame(b"d", cd["xlog_commit"]) + frame(b"d", cd["keepalive"]))
+cd["stream_notice_error"] = (frame(b"N", b"SWARNING\0Mslow\0\0") + frame(b"d", cd["keepalive_reply"])
+                             + frame(b"E", b"SERROR\0C55006\0Mreplication slot is active\0\0"))
+cd["stream_end"] = frame(b"d", cd["xlog_empty"]) + frame(b"C", b"COPY 0\0") + frame(b"Z", b"I")
+cd["stream_copy_done"] = frame(b"c", b"")
 for k, v in cd.items():
     write("copy_data", k, v)
 

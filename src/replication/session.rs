@@ -115,57 +115,7 @@ impl ReplicationStream {
     /// [`Error::Server`], [`Error::Closed`], [`Error::StreamEnded`], [`Error::Protocol`] for an unexpected or
     /// malformed frame, [`Error::Frame`] for a malformed CopyData payload.
     pub fn next_buffered(&mut self) -> Result<Option<ReplicationMessage>, Error> {
-        const CTX: &str = "reading the replication stream";
-        loop {
-            let tag = self.read_buf.first().copied();
-            // postgres-protocol reserves the declared length before the body arrives: bound it
-            // first, so a corrupt or hostile header cannot become a 4 GiB allocation.
-            if let Some(header) = self.read_buf.get(..5) {
-                let declared = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
-                if usize::try_from(declared).map_or(true, |l| l > MAX_FRAME_LEN) {
-                    return Err(Error::Protocol {
-                        context: CTX,
-                        detail: format!(
-                            "server message {:?} declares {declared} bytes, more than the \
-                             {MAX_FRAME_LEN} PostgreSQL can send",
-                            char::from(header[0])
-                        ),
-                    });
-                }
-            }
-            let msg = backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
-                context: CTX,
-                detail: e.to_string(),
-            })?;
-            match msg {
-                None => return Ok(None),
-                Some(backend::Message::CopyData(body)) => {
-                    return Ok(Some(parse_copy_data(body.into_bytes())?));
-                }
-                Some(backend::Message::ErrorResponse(body)) => {
-                    return Err(Error::Server {
-                        context: CTX,
-                        error: Box::new(ServerError::from_body(&body)),
-                    })
-                }
-                Some(backend::Message::CopyDone) => return Err(Error::Closed { context: CTX }),
-                Some(backend::Message::CommandComplete(_))
-                | Some(backend::Message::ReadyForQuery(_)) => {
-                    return Err(Error::StreamEnded { context: CTX })
-                }
-                Some(backend::Message::NoticeResponse(_))
-                | Some(backend::Message::ParameterStatus(_)) => continue,
-                Some(_) => {
-                    return Err(Error::Protocol {
-                        context: CTX,
-                        detail: format!(
-                            "unexpected message {:?} in CopyBoth mode",
-                            tag.map(char::from).unwrap_or('?')
-                        ),
-                    })
-                }
-            }
-        }
+        parse_stream_frame(&mut self.read_buf)
     }
 
     /// Sends one standby status update (a CopyData `r` frame).
@@ -199,6 +149,71 @@ impl ReplicationStream {
         postgres_protocol::message::frontend::terminate(&mut buf);
         let _ = self.socket.write_all(&buf).await;
         let _ = self.socket.shutdown().await;
+    }
+}
+
+/// Splits the next complete frame of a CopyBoth stream off the front of `read_buf` and
+/// parses it, without I/O: what [`ReplicationStream::next_buffered`] does with its buffer.
+///
+/// Returns `Ok(None)` when more bytes are needed (notices before that are consumed).
+/// CopyDone ends the stream with [`Error::Closed`], CommandComplete or ReadyForQuery with
+/// [`Error::StreamEnded`]; an ErrorResponse becomes [`Error::Server`].
+///
+/// # Errors
+/// [`Error::Server`], [`Error::Closed`], [`Error::StreamEnded`], [`Error::Protocol`] for an
+/// unexpected or malformed frame or one declaring more than [`MAX_FRAME_LEN`] bytes,
+/// [`Error::Frame`] for a malformed CopyData payload.
+pub fn parse_stream_frame(read_buf: &mut BytesMut) -> Result<Option<ReplicationMessage>, Error> {
+    const CTX: &str = "reading the replication stream";
+    loop {
+        let tag = read_buf.first().copied();
+        // postgres-protocol reserves the declared length before the body arrives: bound it
+        // first, so a corrupt or hostile header cannot become a 4 GiB allocation.
+        if let Some(header) = read_buf.get(..5) {
+            let declared = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+            if usize::try_from(declared).map_or(true, |l| l > MAX_FRAME_LEN) {
+                return Err(Error::Protocol {
+                    context: CTX,
+                    detail: format!(
+                        "server message {:?} declares {declared} bytes, more than the \
+                         {MAX_FRAME_LEN} PostgreSQL can send",
+                        char::from(header[0])
+                    ),
+                });
+            }
+        }
+        let msg = backend::Message::parse(read_buf).map_err(|e| Error::Protocol {
+            context: CTX,
+            detail: e.to_string(),
+        })?;
+        match msg {
+            None => return Ok(None),
+            Some(backend::Message::CopyData(body)) => {
+                return Ok(Some(parse_copy_data(body.into_bytes())?));
+            }
+            Some(backend::Message::ErrorResponse(body)) => {
+                return Err(Error::Server {
+                    context: CTX,
+                    error: Box::new(ServerError::from_body(&body)),
+                })
+            }
+            Some(backend::Message::CopyDone) => return Err(Error::Closed { context: CTX }),
+            Some(backend::Message::CommandComplete(_))
+            | Some(backend::Message::ReadyForQuery(_)) => {
+                return Err(Error::StreamEnded { context: CTX })
+            }
+            Some(backend::Message::NoticeResponse(_))
+            | Some(backend::Message::ParameterStatus(_)) => continue,
+            Some(_) => {
+                return Err(Error::Protocol {
+                    context: CTX,
+                    detail: format!(
+                        "unexpected message {:?} in CopyBoth mode",
+                        tag.map(char::from).unwrap_or('?')
+                    ),
+                })
+            }
+        }
     }
 }
 
