@@ -74,8 +74,8 @@ for t in "${targets[@]}"; do
     grep -E "^(==[0-9]+== ERROR|SUMMARY|thread '.*' panicked|artifact_prefix)" "$log" | head -n 5 || true
   fi
   last=$(grep -E '^#[0-9]+' "$log" | tail -n 1 || true)
-  execs=$(grep -oE 'stat::number_of_executed_units: [0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')
-  rate=$(grep -oE 'stat::average_exec_per_sec: [0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')
+  execs=$(grep -oE 'stat::number_of_executed_units: +[0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')
+  rate=$(grep -oE 'stat::average_exec_per_sec: +[0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')
   cov=$(grep -oE 'cov: [0-9]+' <<<"$last" | grep -oE '[0-9]+' || echo '?')
   ft=$(grep -oE 'ft: [0-9]+' <<<"$last" | grep -oE '[0-9]+' || echo '?')
   files=$(find "$corpus" -type f | wc -l)
