@@ -71,7 +71,8 @@ for t in "${targets[@]}"; do
   else
     status=FAILED
     failed+=("$t")
-    grep -E "^(==[0-9]+== ERROR|SUMMARY|thread '.*' panicked|artifact_prefix)" "$log" | head -n 5 || true
+    grep -E -A1 "^thread .* panicked at" "$log" | head -n 2 || true
+    grep -E "^(==[0-9]+== ERROR|SUMMARY|artifact_prefix)" "$log" | head -n 3 || true
   fi
   last=$(grep -E '^#[0-9]+' "$log" | tail -n 1 || true)
   execs=$(grep -oE 'stat::number_of_executed_units: +[0-9]+' "$log" | grep -oE '[0-9]+$' || echo '?')
