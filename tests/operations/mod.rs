@@ -251,7 +251,7 @@ async fn teardown_refuses_while_outbox_messages_are_unsent() {
     let out = ob.cli(&["status", "--json"]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("does not exist; run `pgoutbox setup`"),
+        stderr(&out).contains("does not exist; run `pgoutbox setup --slot"),
         "{}",
         stderr(&out)
     );
