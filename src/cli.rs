@@ -8,7 +8,9 @@ use crate::config::{
     RunConfig, UnroutablePolicy, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION,
     DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    DEFAULT_STALL_AFTER,
 };
+use crate::metrics::DEFAULT_HTTP_ADDR;
 
 /// Whether `teardown` may drop a slot that still holds unsent outbox messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,6 +221,23 @@ pub struct RunArgs {
     /// first time RabbitMQ refuses a message for its size (406, channel closed).
     #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES")]
     pub broker_max_message_bytes: Option<usize>,
+    /// Where to serve /metrics, /healthz and /readyz: HOST:PORT, or off.
+    #[arg(long, env = "PGOUTBOX_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR, value_parser = parse_http_addr_arg)]
+    pub http_addr: HttpAddr,
+    /// Seconds without any settle, while messages are unconfirmed, after which the stream
+    /// counts as stalled (/readyz 503 "stalled", a warning once a minute); 1 to 3600.
+    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs())]
+    pub stall_after_s: u64,
+}
+
+/// A parsed `--http-addr` (`None`: off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpAddr(pub Option<std::net::SocketAddr>);
+
+fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
+    crate::config::parse_http_addr(text)
+        .map(HttpAddr)
+        .map_err(|e| e.to_string())
 }
 
 impl RunArgs {
@@ -251,6 +270,8 @@ impl RunArgs {
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             read_coalesce: Duration::from_micros(self.read_coalesce_us),
             instance_id,
+            http_addr: self.http_addr.0,
+            stall_after: Duration::from_secs(self.stall_after_s),
         }
     }
 }

@@ -38,6 +38,38 @@ pub const DEFAULT_READ_COALESCE: Duration = Duration::from_millis(1);
 /// Largest accepted `--read-coalesce-us`: 100 ms.
 pub const MAX_READ_COALESCE: Duration = Duration::from_millis(100);
 
+/// Default `--stall-after-s`: unconfirmed messages with no settle for a minute are a stall
+/// (a confirm round trip is milliseconds; a minute rules out a slow disk or a GC pause).
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(60);
+/// Largest accepted `--stall-after-s`: one hour (a stall detected later is no alarm).
+pub const MAX_STALL_AFTER: Duration = Duration::from_secs(3600);
+
+/// Parses `--http-addr`: `HOST:PORT` (an IP address, `localhost`) or `off`.
+///
+/// # Errors
+/// [`ValidationError`] for `--http-addr` naming the accepted forms.
+pub fn parse_http_addr(text: &str) -> Result<Option<std::net::SocketAddr>, ValidationError> {
+    use std::net::ToSocketAddrs;
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let bad = |why: String| ValidationError {
+        setting: "--http-addr",
+        value: text.to_owned(),
+        rule: format!(
+            "{why}; write HOST:PORT (e.g. 127.0.0.1:8432, 0.0.0.0:8432 in a container) or off"
+        ),
+    };
+    let mut addrs = text
+        .to_socket_addrs()
+        .map_err(|e| bad(format!("not an address ({e})")))?;
+    addrs
+        .next()
+        .map(Some)
+        .ok_or_else(|| bad("resolves to no address".into()))
+}
+
 /// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
 /// is hard to hit from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,6 +244,11 @@ pub struct RunConfig {
     pub read_coalesce: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
     pub instance_id: String,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (`None`: off).
+    pub http_addr: Option<std::net::SocketAddr>,
+    /// Unconfirmed messages with no settle for this long are a stall (`/readyz` 503, the
+    /// `pgoutbox_stalled` gauge, a warning a minute).
+    pub stall_after: Duration,
 }
 
 impl std::fmt::Debug for RunConfig {
@@ -232,6 +269,8 @@ impl std::fmt::Debug for RunConfig {
             .field("max_message_bytes", &self.max_message_bytes)
             .field("broker_max_message_bytes", &self.broker_max_message_bytes)
             .field("instance_id", &self.instance_id)
+            .field("http_addr", &self.http_addr)
+            .field("stall_after", &self.stall_after)
             .finish()
     }
 }
@@ -288,6 +327,16 @@ impl RunConfig {
                 setting: "--max-attempts",
                 value: "0".into(),
                 rule: "must be at least 1".into(),
+            });
+        }
+        if self.stall_after.is_zero() || self.stall_after > MAX_STALL_AFTER {
+            return Err(ValidationError {
+                setting: "--stall-after-s",
+                value: self.stall_after.as_secs().to_string(),
+                rule: format!(
+                    "must be between 1 and {} seconds",
+                    MAX_STALL_AFTER.as_secs()
+                ),
             });
         }
         if self.max_in_flight_bytes == 0 {

@@ -200,6 +200,31 @@ impl<T: Send + 'static> Publisher<T> {
         self.tx = None;
     }
 
+    /// Watches the connection's events: `blocked` is true while RabbitMQ blocks the
+    /// connection (`connection.blocked`, sent when a memory or disk alarm is raised and the
+    /// connection publishes), and each start and end is logged. lapin stops sending frames
+    /// while blocked, so publishes wait and confirms stop; nothing here changes that.
+    pub fn watch_blocked(&mut self, blocked: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        use futures::StreamExt;
+        use std::sync::atomic::Ordering;
+        let mut events = Box::pin(self.connection.events_listener());
+        self.tasks.push(tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                match event {
+                    lapin::Event::ConnectionBlocked(reason) => {
+                        blocked.store(true, Ordering::Relaxed);
+                        tracing::warn!(reason = %reason, "RabbitMQ blocked the connection (connection.blocked: memory or disk alarm); publishes wait until it clears, nothing unconfirmed is acknowledged");
+                    }
+                    lapin::Event::ConnectionUnblocked => {
+                        blocked.store(false, Ordering::Relaxed);
+                        tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
+                    }
+                    _ => {}
+                }
+            }
+        }));
+    }
+
     /// True while the AMQP connection is up.
     pub fn is_connected(&self) -> bool {
         self.connection.status().connected()
