@@ -7,5 +7,6 @@ mod end_to_end;
 mod faults;
 mod hardening;
 mod harness_smoke;
+mod observability;
 mod operations;
 mod proxy_smoke;
