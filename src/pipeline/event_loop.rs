@@ -78,6 +78,9 @@ pub(super) struct Core {
 }
 
 impl Core {
+    // One argument per thing a session hands over; a struct for them would only be unpacked
+    // here.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: RunConfig,
         stream: ReplicationStream,
