@@ -275,10 +275,10 @@ async fn readyz_follows_the_broker_going_away_and_back() {
         .is_some());
 }
 
-/// `--http-addr` that cannot be listened on fails at startup naming the setting; `off`
-/// serves nothing.
+/// An `--http-addr` that cannot be listened on (a port in use) or that does not parse fails
+/// at startup naming the setting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_addr_in_use_or_off() {
+async fn http_addr_in_use_or_unparsable_fails_at_startup() {
     let pg = Postgres::shared();
     let rmq = RabbitMq::shared();
     let ob = Outbox::new(pg, &rmq.url(), "obs_addr").await;
