@@ -396,6 +396,46 @@ mod tests {
     }
 
     #[test]
+    fn http_addr_and_stall_after_are_validated() {
+        use clap::Parser;
+        assert_eq!(parse_http_addr("off"), Ok(None));
+        assert_eq!(
+            parse_http_addr("127.0.0.1:8432").unwrap().map(|a| a.port()),
+            Some(8432)
+        );
+        let e = parse_http_addr("nonsense").unwrap_err();
+        assert_eq!(e.setting, "--http-addr");
+        assert!(e.to_string().contains("or off"), "{e}");
+        let config = |stall: &str| {
+            let cli = crate::cli::Cli::try_parse_from([
+                "pgoutbox",
+                "run",
+                "--database-url",
+                "postgres://u@h/db",
+                "--amqp-url",
+                "amqp://h",
+                "--stall-after-s",
+                stall,
+            ])
+            .unwrap();
+            match cli.command {
+                crate::cli::Command::Run(args) => args.into_config(),
+                _ => unreachable!(),
+            }
+        };
+        let ok = config("60");
+        assert!(ok.validate().is_ok());
+        assert_eq!(
+            ok.http_addr.map(|a| a.to_string()).as_deref(),
+            Some(crate::metrics::DEFAULT_HTTP_ADDR)
+        );
+        for bad in ["0", "3601"] {
+            let e = config(bad).validate().unwrap_err();
+            assert_eq!(e.setting, "--stall-after-s", "{e}");
+        }
+    }
+
+    #[test]
     fn redacts_passwords() {
         assert_eq!(
             redact_url("postgres://u:secret@h:5/db"),

@@ -304,3 +304,48 @@ async fn http_addr_in_use_or_unparsable_fails_at_startup() {
     assert!(!status.success());
     assert!(bad.log().contains("--http-addr"), "{}", bad.log());
 }
+
+/// A second streamer on a held slot is a standby: live, not ready (`slot_busy`), its tries
+/// counted as reconnects with cause `slot_busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_live_but_not_ready() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_standby").await;
+    let active_port = support::free_port();
+    let active = ob.run(&["--http-addr", &format!("127.0.0.1:{active_port}")]);
+    wait_ready(active_port, &active, scaled(Duration::from_secs(30))).await;
+    let port = support::free_port();
+    let standby = ob.run(&["--http-addr", &format!("127.0.0.1:{port}")]);
+    let busy = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        matches!(readyz(port), Some((503, body)) if body.contains("\"slot_busy\""))
+    })
+    .await;
+    assert!(busy, "/readyz: {:?}\n{}", readyz(port), standby.log());
+    assert_healthy(port, &standby);
+    let counted = support::wait_until(scaled(Duration::from_secs(20)), || async {
+        sample(
+            &scrape(port),
+            "pgoutbox_reconnects_total{cause=\"slot_busy\"}",
+        )
+        .unwrap_or(0.0)
+            >= 2.0
+    })
+    .await;
+    assert!(counted, "{}", scrape(port));
+    assert_eq!(
+        sample(&scrape(port), "pgoutbox_sessions_started_total"),
+        Some(0.0)
+    );
+    assert!(matches!(readyz(active_port), Some((200, _))));
+    standby.sigterm();
+    active.sigterm();
+    assert!(standby
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+    assert!(active
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
