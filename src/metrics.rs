@@ -628,6 +628,7 @@ pub async fn serve(
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     use axum::routing::get;
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    let addr = listener.local_addr().unwrap_or(addr);
     let app = axum::Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz_handler))
