@@ -144,8 +144,8 @@ impl Phase {
 pub enum Readiness {
     /// Streaming, broker not blocked, not stalled.
     Ready,
-    /// Not ready, with the reason (`connecting`, `slot_busy`, `broker_blocked`, `stalled`,
-    /// `draining`, `replication_lost`).
+    /// Not ready, with the reason (`connecting`, `slot_busy`, `broker_disconnected`,
+    /// `broker_blocked`, `stalled`, `draining`, `replication_lost`).
     NotReady(&'static str),
 }
 
@@ -287,6 +287,7 @@ pub struct Telemetry {
     progress_at_ms: AtomicU64,
     phase: AtomicU8,
     broker_blocked: Arc<AtomicBool>,
+    broker_lost: Arc<AtomicBool>,
 }
 
 /// Milliseconds since `base`, saturating.
@@ -345,6 +346,7 @@ impl Telemetry {
             progress_at_ms: AtomicU64::new(0),
             phase: AtomicU8::new(Phase::Connecting as u8),
             broker_blocked: Arc::new(AtomicBool::new(false)),
+            broker_lost: Arc::new(AtomicBool::new(false)),
         };
         let total = |n| base_name(n, "_total");
         registry.register(
@@ -480,10 +482,17 @@ impl Telemetry {
         Arc::clone(&self.broker_blocked)
     }
 
+    /// The flag the publisher's event watcher sets when the broker connection or channel
+    /// fails.
+    pub fn broker_lost_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.broker_lost)
+    }
+
     /// A session started streaming.
     pub fn session_started(&self) {
         self.sessions.inc();
         self.broker_blocked.store(false, Ordering::Relaxed);
+        self.broker_lost.store(false, Ordering::Relaxed);
         self.set_phase(Phase::Streaming);
     }
 
@@ -581,6 +590,9 @@ impl Telemetry {
     pub fn readiness(&self) -> Readiness {
         if let Some(reason) = self.phase().reason() {
             return Readiness::NotReady(reason);
+        }
+        if self.broker_lost.load(Ordering::Relaxed) {
+            return Readiness::NotReady("broker_disconnected");
         }
         if self.is_broker_blocked() {
             return Readiness::NotReady("broker_blocked");
@@ -792,6 +804,8 @@ mod tests {
         assert_eq!(t.readiness(), Readiness::NotReady("stalled"));
         t.broker_blocked_flag().store(true, Ordering::Relaxed);
         assert_eq!(t.readiness(), Readiness::NotReady("broker_blocked"));
+        t.broker_lost_flag().store(true, Ordering::Relaxed);
+        assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
         t.set_phase(Phase::Draining);
         assert_eq!(t.readiness(), Readiness::NotReady("draining"));
         assert!(t.is_healthy());

@@ -289,7 +289,10 @@ async fn run_session(
         dead_letters,
         start,
     } = connected;
-    publisher.watch_blocked(telemetry.broker_blocked_flag());
+    publisher.watch_events(
+        telemetry.broker_blocked_flag(),
+        telemetry.broker_lost_flag(),
+    );
     telemetry.session_started();
     let mut core = Core::new(
         config.clone(),

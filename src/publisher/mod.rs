@@ -202,9 +202,15 @@ impl<T: Send + 'static> Publisher<T> {
 
     /// Watches the connection's events: `blocked` is true while RabbitMQ blocks the
     /// connection (`connection.blocked`, sent when a memory or disk alarm is raised and the
-    /// connection publishes), and each start and end is logged. lapin stops sending frames
-    /// while blocked, so publishes wait and confirms stop; nothing here changes that.
-    pub fn watch_blocked(&mut self, blocked: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    /// connection publishes), and each start and end is logged; `lost` turns true when the
+    /// connection or the channel fails (the pipeline notices the same at its next status
+    /// tick and reconnects). lapin stops sending frames while blocked, so publishes wait
+    /// and confirms stop; nothing here changes that.
+    pub fn watch_events(
+        &mut self,
+        blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) {
         use futures::StreamExt;
         use std::sync::atomic::Ordering;
         let mut events = Box::pin(self.connection.events_listener());
@@ -218,6 +224,10 @@ impl<T: Send + 'static> Publisher<T> {
                     lapin::Event::ConnectionUnblocked => {
                         blocked.store(false, Ordering::Relaxed);
                         tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
+                    }
+                    lapin::Event::Error(error) => {
+                        lost.store(true, Ordering::Relaxed);
+                        tracing::debug!(error = %error, "RabbitMQ connection or channel failed");
                     }
                     _ => {}
                 }

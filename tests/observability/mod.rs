@@ -246,7 +246,7 @@ async fn readyz_follows_the_broker_going_away_and_back() {
 
     rmq.stop_app();
     let down = support::wait_until(scaled(Duration::from_secs(40)), || async {
-        matches!(readyz(port), Some((503, body)) if body.contains("\"connecting\""))
+        matches!(readyz(port), Some((503, body)) if body.contains("\"connecting\"") || body.contains("\"broker_disconnected\""))
     })
     .await;
     assert!(down, "/readyz: {:?}\n{}", readyz(port), streamer.log());
