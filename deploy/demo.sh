@@ -5,12 +5,14 @@
 # and a private RabbitMQ node under $DEMO_DIR on free ports, builds pgoutbox, runs
 # `pgoutbox setup`, starts a consumer (a durable queue bound with '#') and `pgoutbox run`,
 # emits sample events inside one transaction (plus one rolled back), shows them arriving,
-# shows `pgoutbox status`, then stops everything and removes the stack.
+# shows `pgoutbox status`, stops `pgoutbox run` (SIGTERM: it drains and logs its counters),
+# prints the last lines of its log (kept in $RUN_LOG), then removes the stack.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEMO_DIR=${DEMO_DIR:-/tmp/pgoutbox-demo}
 KEEP=${KEEP:-0}   # KEEP=1 leaves the stack running for you to play with
+RUN_LOG=${RUN_LOG:-/tmp/pgoutbox-demo-run.log}   # survives the stack's removal
 
 bash deploy/stack.sh install
 echo "== building pgoutbox"
@@ -26,6 +28,11 @@ pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    if [[ -f "$DEMO_DIR/run.log" ]]; then
+        cp "$DEMO_DIR/run.log" "$RUN_LOG"
+        echo "== what pgoutbox run logged (last lines; the whole log is in $RUN_LOG)"
+        tail -n 15 "$RUN_LOG"
+    fi
     if [[ "$KEEP" != 1 ]]; then
         bash deploy/stack.sh stop "$DEMO_DIR" >/dev/null 2>&1 || true
         rm -rf "$DEMO_DIR"

@@ -4,7 +4,12 @@
 //! `cargo run --example consume -- AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]`
 //! exits after COUNT messages or TIMEOUT_S seconds without one (defaults: pgoutbox,
 //! pgoutbox-demo, unlimited, 10).
+//!
+//! Exit status: 0 when COUNT messages arrived (or, with no COUNT, when TIMEOUT_S passed
+//! without a message); 1 when the broker could not be reached or the connection was lost,
+//! or when TIMEOUT_S passed before COUNT messages; 2 on a usage error.
 
+use std::process::ExitCode;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -15,96 +20,172 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+const USAGE: &str = "usage: consume AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]";
+
+fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let url = args
+    let Some(url) = args
         .get(1)
         .cloned()
         .or_else(|| std::env::var("PGOUTBOX_AMQP_URL").ok())
-        .ok_or("usage: consume AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]")?;
+    else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    };
     let exchange = args.get(2).cloned().unwrap_or_else(|| "pgoutbox".into());
     let queue = args
         .get(3)
         .cloned()
         .unwrap_or_else(|| "pgoutbox-demo".into());
-    let count: usize = args
-        .get(4)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(usize::MAX);
-    let timeout = Duration::from_secs(args.get(5).and_then(|t| t.parse().ok()).unwrap_or(10));
-    tokio::runtime::Runtime::new()?.block_on(async move {
-        let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
-        let ch = conn.create_channel().await?;
-        ch.exchange_declare(
-            exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-        ch.queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await?;
-        ch.queue_bind(
-            queue.as_str().into(),
-            exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-        println!("consuming from queue {queue} bound to exchange {exchange} with '#'");
-        let mut consumer = ch
-            .basic_consume(
-                queue.as_str().into(),
-                "demo".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        let mut seen = 0;
-        while seen < count {
-            let Ok(Some(delivery)) = tokio::time::timeout(timeout, consumer.next()).await else {
-                break;
-            };
-            let delivery = delivery?;
-            let header = |k: &str| {
-                delivery
-                    .properties
-                    .headers()
-                    .as_ref()
-                    .and_then(|h| h.inner().get(k).cloned())
-                    .map(|v| match v {
-                        AMQPValue::LongString(s) => {
-                            String::from_utf8_lossy(s.as_bytes()).into_owned()
-                        }
-                        other => format!("{other:?}"),
-                    })
-                    .unwrap_or_default()
-            };
-            println!(
-                "{} id={} lsn={} commit_lsn={} body={}",
-                delivery.routing_key,
-                delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|m| m.as_str())
-                    .unwrap_or("-"),
-                header("x-pgoutbox-lsn"),
-                header("x-pgoutbox-commit-lsn"),
-                String::from_utf8_lossy(&delivery.data)
-            );
-            delivery.ack(BasicAckOptions::default()).await?;
-            seen += 1;
+    let number = |i: usize, name: &str| -> Result<Option<u64>, String> {
+        args.get(i)
+            .map(|v| {
+                v.parse()
+                    .map_err(|_| format!("{name} {v:?} is not a whole number; {USAGE}"))
+            })
+            .transpose()
+    };
+    let (count, timeout_s) = match (number(4, "COUNT"), number(5, "TIMEOUT_S")) {
+        (Ok(c), Ok(t)) => (c, t.unwrap_or(10)),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("consume: {e}");
+            return ExitCode::from(2);
         }
-        println!("received {seen} messages");
-        Ok(())
-    })
+    };
+    let timeout = Duration::from_secs(timeout_s);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("consume: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut seen = 0u64;
+    let result = runtime.block_on(consume(
+        &url,
+        &exchange,
+        &queue,
+        count.unwrap_or(u64::MAX),
+        timeout,
+        &mut seen,
+    ));
+    match result {
+        Ok(()) if count.is_some_and(|c| seen < c) => {
+            eprintln!(
+                "consume: received {seen} of {} messages: none arrived for {timeout_s} s",
+                count.unwrap_or_default()
+            );
+            ExitCode::FAILURE
+        }
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("consume: {e} (after {seen} messages)");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Declares, binds and consumes, printing each message; counts them in `seen`.
+///
+/// # Errors
+/// A sentence naming what failed: the connection, the declarations, or the stream.
+async fn consume(
+    url: &str,
+    exchange: &str,
+    queue: &str,
+    count: u64,
+    timeout: Duration,
+    seen: &mut u64,
+) -> Result<(), String> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("cannot connect to RabbitMQ at {}: {e}", redact(url)))?;
+    let declare = |e: lapin::Error| format!("declaring queue {queue} on exchange {exchange}: {e}");
+    let ch = conn.create_channel().await.map_err(declare)?;
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(declare)?;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions::durable(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(declare)?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(declare)?;
+    println!("consuming from queue {queue} bound to exchange {exchange} with '#'");
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "demo".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(declare)?;
+    while *seen < count {
+        let Ok(Some(delivery)) = tokio::time::timeout(timeout, consumer.next()).await else {
+            break;
+        };
+        let delivery = delivery.map_err(|e| format!("lost the RabbitMQ connection: {e}"))?;
+        let header = |k: &str| {
+            delivery
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get(k).cloned())
+                .map(|v| match v {
+                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default()
+        };
+        println!(
+            "{} id={} lsn={} commit_lsn={} body={}",
+            delivery.routing_key,
+            delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.as_str())
+                .unwrap_or("-"),
+            header("x-pgoutbox-lsn"),
+            header("x-pgoutbox-commit-lsn"),
+            String::from_utf8_lossy(&delivery.data)
+        );
+        delivery
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(|e| format!("lost the RabbitMQ connection while acking: {e}"))?;
+        *seen += 1;
+    }
+    println!("received {seen} messages");
+    Ok(())
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match url.split_once('@') {
+        Some((creds, host)) => match creds.rsplit_once(':') {
+            Some((user, _)) if !user.ends_with('/') => format!("{user}:***@{host}"),
+            _ => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
 }

@@ -5,10 +5,10 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{
-    RunConfig, UnroutablePolicy, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION,
-    DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
-    DEFAULT_STALL_AFTER,
+    RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP, DEFAULT_EXCHANGE,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
+    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT, DEFAULT_STALL_AFTER,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 
@@ -74,8 +74,8 @@ pub struct DeadLetterListArgs {
     /// Include requeued rows.
     #[arg(long)]
     pub all: bool,
-    /// At most this many rows.
-    #[arg(long, default_value_t = 100)]
+    /// At most this many rows (1 to 1000000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=DEAD_LETTER_LIST_CAP))]
     pub limit: i64,
     /// Print JSON (one array).
     #[arg(long)]
@@ -89,8 +89,8 @@ pub struct DeadLetterSelectArgs {
     /// The database.
     #[command(flatten)]
     pub db: DeadLetterDb,
-    /// Row id (repeatable).
-    #[arg(long)]
+    /// Row id (repeatable). Each must exist and not be requeued yet, or nothing is requeued.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub id: Vec<i64>,
     /// Every row not yet requeued.
     #[arg(long)]
@@ -105,9 +105,10 @@ pub struct DeadLetterPurgeArgs {
     #[command(flatten)]
     pub db: DeadLetterDb,
     /// Row id (repeatable).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub id: Vec<i64>,
-    /// Rows dead-lettered longer ago than this: a number with unit s, m, h or d (e.g. 7d).
+    /// Rows dead-lettered longer ago than this: a whole number with unit s, m, h or d
+    /// (e.g. 7d), at most 36500d.
     #[arg(long, value_parser = parse_age_secs)]
     pub older_than: Option<i64>,
     /// Every row.
@@ -115,22 +116,49 @@ pub struct DeadLetterPurgeArgs {
     pub all: bool,
 }
 
-/// Parses `30s`, `15m`, `12h`, `7d` into seconds.
+/// Parses `30s`, `15m`, `12h`, `7d` into seconds, at most [`DEAD_LETTER_AGE_CAP`].
+///
+/// Never slices the text at a byte index: the unit is matched as a suffix, so any
+/// character (`7é`, `30日`) is an error, not a panic.
 ///
 /// # Errors
-/// A message naming the value and the accepted form.
+/// A message naming the value and the accepted form (clap adds the flag).
 pub fn parse_age_secs(text: &str) -> Result<i64, String> {
-    let bad = || format!("invalid age {text:?}: write a number with unit s, m, h or d, e.g. 7d");
-    let (num, unit) = text.split_at(text.len().saturating_sub(1));
-    let n: i64 = num.parse().map_err(|_| bad())?;
-    let mult = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(bad()),
+    let bad = |why: &str| {
+        format!(
+            "{text:?} {why}: write a whole number with unit s, m, h or d (e.g. 7d), at most {}d",
+            DEAD_LETTER_AGE_CAP.as_secs() / 86_400
+        )
     };
-    n.checked_mul(mult).filter(|v| *v >= 0).ok_or_else(bad)
+    let (num, mult) = [("s", 1u64), ("m", 60), ("h", 3600), ("d", 86_400)]
+        .into_iter()
+        .find_map(|(unit, mult)| text.strip_suffix(unit).map(|num| (num, mult)))
+        .ok_or_else(|| bad("has no unit"))?;
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad("is not a whole number"));
+    }
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|secs| *secs <= DEAD_LETTER_AGE_CAP.as_secs())
+        .and_then(|secs| i64::try_from(secs).ok())
+        .ok_or_else(|| bad("is too long"))
+}
+
+/// Parses a whole number (ASCII digits only) for a numeric `run` option. The option's
+/// range is checked by [`RunConfig::validate`], which names the setting, its environment
+/// variable and the bounds.
+///
+/// # Errors
+/// A message naming the value and the accepted form (clap adds the flag).
+pub fn parse_whole_number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "{text:?} is not a whole number: write digits only (no sign, unit, decimal point or separator); the range is in --help"
+        ));
+    }
+    text.parse()
+        .map_err(|_| format!("{text:?} is far too large; the range is in --help"))
 }
 
 /// What `run` does with a message the broker returns as unroutable.
@@ -143,7 +171,7 @@ pub enum OnUnroutable {
 }
 
 /// Connection to Postgres and the slot's name.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct DbArgs {
     /// PostgreSQL connection URL (postgres://user:password@host:port/db); a host that is
     /// a directory means a Unix socket.
@@ -166,7 +194,7 @@ pub struct SetupArgs {
 }
 
 /// `run` arguments.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// Database and slot.
     #[command(flatten)]
@@ -181,19 +209,20 @@ pub struct RunArgs {
     #[arg(long, env = "PGOUTBOX_EXCHANGE", default_value = DEFAULT_EXCHANGE)]
     pub exchange: String,
     /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
-    /// confirmed behind an earlier unconfirmed one). A transaction is acknowledged whole, so
-    /// one larger than the window is still read to its end.
-    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
+    /// confirmed behind an earlier unconfirmed one), 1 to 1000000. A transaction is
+    /// acknowledged whole, so one larger than the window is still read to its end.
+    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = parse_whole_number::<usize>)]
     pub max_in_flight: usize,
-    /// Window: bytes (logical message content) read and not yet acknowledged to Postgres.
-    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES)]
+    /// Window: bytes (logical message content) read and not yet acknowledged to Postgres,
+    /// 1 to 4294967296.
+    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_in_flight_bytes: usize,
     /// Seconds to keep retrying a slot held by another process before exiting; 0 waits
-    /// forever as a standby.
-    #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", default_value_t = DEFAULT_SLOT_BUSY_TIMEOUT.as_secs())]
+    /// forever as a standby (0 to 2592000, 30 days).
+    #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", default_value_t = DEFAULT_SLOT_BUSY_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub slot_busy_timeout_s: u64,
-    /// Seconds a SIGINT/SIGTERM waits for outstanding confirms.
-    #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", default_value_t = DEFAULT_SHUTDOWN_TIMEOUT.as_secs())]
+    /// Seconds a SIGINT/SIGTERM waits for outstanding confirms (0 to 86400, one day).
+    #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", default_value_t = DEFAULT_SHUTDOWN_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub shutdown_timeout_s: u64,
     /// Instance id shown in application_name and the RabbitMQ connection name
     /// (default: hostname-pid).
@@ -202,24 +231,28 @@ pub struct RunArgs {
     /// What to do with a message returned as unroutable (no queue bound for its key).
     #[arg(long, env = "PGOUTBOX_ON_UNROUTABLE", value_enum, default_value_t = OnUnroutable::DeadLetter)]
     pub on_unroutable: OnUnroutable,
-    /// Publish attempts for a nacked message before it is dead-lettered.
-    #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS)]
+    /// Publish attempts for a nacked message before it is dead-lettered (1 to 1000).
+    #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = parse_whole_number::<u32>)]
     pub max_attempts: u32,
     /// Fault injection for tests (e.g. abort-after-confirms=100); never use in production.
     #[arg(long, env = "PGOUTBOX_FAILPOINT", hide = true)]
     pub failpoint: Option<crate::config::Failpoint>,
-    /// Payloads larger than this many bytes are dead-lettered as too_large, never published.
-    #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    /// Messages larger than this many bytes are dead-lettered as too_large, never published
+    /// (1 to 536870912). The size counted is the whole envelope as emitted: the payload plus
+    /// its JSON header (id, topic, content type, producer headers) and 5 bytes of framing.
+    #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_message_bytes: usize,
     /// Microseconds between two small reads of the replication stream: under a steady
     /// trickle of transactions, one read (and one publish batch) per interval instead of
-    /// one per transaction. Adds at most this much latency; 0 reads every transaction at once.
-    #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64)]
+    /// one per transaction. Adds at most this much latency; 0 reads every transaction at once
+    /// (0 to 100000).
+    #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,
     /// The broker's max_message_size in bytes, if known: payloads larger than this are
     /// dead-lettered as too_large without publishing. Unset: pgoutbox learns the limit the
     /// first time RabbitMQ refuses a message for its size (406, channel closed).
-    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES")]
+    /// 1 to 536870912 (RabbitMQ's own ceiling).
+    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES", value_parser = parse_whole_number::<usize>)]
     pub broker_max_message_bytes: Option<usize>,
     /// Where to serve /metrics, /healthz and /readyz: HOST:PORT, or off.
     #[arg(long, env = "PGOUTBOX_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR, value_parser = parse_http_addr_arg)]
@@ -299,4 +332,159 @@ pub struct TeardownArgs {
     /// Drop the slot even if it still holds unsent outbox messages (they are lost).
     #[arg(long)]
     pub force: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn metrics_are_served_on_loopback_by_default_and_can_be_turned_off() {
+        let run = |extra: &[&str]| {
+            let mut args = vec![
+                "pgoutbox",
+                "run",
+                "--database-url",
+                "postgres://u@h/db",
+                "--amqp-url",
+                "amqp://h",
+            ];
+            args.extend(extra);
+            match Cli::try_parse_from(args).unwrap().command {
+                Command::Run(args) => args.into_config(),
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(
+            run(&[]).http_addr.map(|a| a.to_string()).as_deref(),
+            Some(DEFAULT_HTTP_ADDR)
+        );
+        assert_eq!(run(&["--http-addr", "off"]).http_addr, None);
+        assert!(Cli::try_parse_from([
+            "pgoutbox",
+            "run",
+            "--database-url",
+            "x",
+            "--amqp-url",
+            "y",
+            "--http-addr",
+            "nonsense"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn validation_errors_name_the_flag_and_its_environment_variable() {
+        // The rule env_of relies on holds for every option of every subcommand.
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut checked = 0;
+        let mut stack: Vec<&clap::Command> = vec![&cli];
+        while let Some(cmd) = stack.pop() {
+            stack.extend(cmd.get_subcommands());
+            for arg in cmd.get_arguments() {
+                if let Some(long) = arg.get_long() {
+                    // Every flag: env_of names its variable, or None when it has none.
+                    assert_eq!(
+                        crate::config::env_of(&format!("--{long}")).as_deref(),
+                        arg.get_env().and_then(|e| e.to_str()),
+                        "--{long} in {}",
+                        cmd.get_name()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 30, "checked {checked} options");
+        let e = crate::config::ValidationError {
+            setting: "--read-coalesce-us",
+            value: "200000".into(),
+            rule: "must be at most 100000".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"200000\": must be at most 100000"
+        );
+    }
+
+    #[test]
+    fn ages_parse_without_slicing_inside_a_character() {
+        assert_eq!(parse_age_secs("0s"), Ok(0));
+        assert_eq!(parse_age_secs("90s"), Ok(90));
+        assert_eq!(parse_age_secs("15m"), Ok(900));
+        assert_eq!(parse_age_secs("12h"), Ok(43_200));
+        assert_eq!(parse_age_secs("7d"), Ok(604_800));
+        assert_eq!(parse_age_secs("36500d"), Ok(36_500 * 86_400));
+        for bad in [
+            "7é",
+            "30日",
+            "é",
+            "日",
+            "",
+            "d",
+            "5",
+            "-5d",
+            "+5d",
+            " 5d",
+            "5 d",
+            "5D",
+            "1.5h",
+            "٣d",
+            "7dé",
+            "36501d",
+            "3153600001s",
+            "99999999999999999999999d",
+        ] {
+            let e = parse_age_secs(bad).unwrap_err();
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("unit s, m, h or d"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn whole_numbers_take_digits_only() {
+        assert_eq!(parse_whole_number::<u64>("0"), Ok(0));
+        assert_eq!(
+            parse_whole_number::<u64>("18446744073709551615"),
+            Ok(u64::MAX)
+        );
+        for bad in ["", "-1", "+1", "1e3", "1_000", "1,000", " 1", "1.0", "١"] {
+            let e = parse_whole_number::<u64>(bad).unwrap_err();
+            assert!(e.contains("not a whole number"), "{bad:?}: {e}");
+        }
+        let e = parse_whole_number::<u32>("4294967296").unwrap_err();
+        assert!(e.contains("far too large"), "{e}");
+    }
+
+    #[test]
+    fn dead_letter_selections_are_bounded() {
+        let parse = |args: &[&str]| {
+            let mut full = vec!["pgoutbox", "dead-letters"];
+            full.extend_from_slice(args);
+            full.extend_from_slice(&["--database-url", "postgres://u@h/db"]);
+            Cli::try_parse_from(full)
+        };
+        assert!(parse(&["list", "--limit", "1000000"]).is_ok());
+        for limit in ["0", "-1", "1000001", "x"] {
+            let e = parse(&["list", &format!("--limit={limit}")]).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            assert!(e.to_string().contains("--limit"), "{e}");
+        }
+        for sub in ["requeue", "purge"] {
+            assert!(parse(&[sub, "--id", "1"]).is_ok());
+            for id in ["0", "-3"] {
+                let e = parse(&[sub, &format!("--id={id}")]).unwrap_err();
+                assert!(e.to_string().contains("--id"), "{sub} {id}: {e}");
+            }
+        }
+        let e = parse(&["purge", "--older-than", "30日"]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("invalid value '30日' for '--older-than <OLDER_THAN>'"),
+            "{e}"
+        );
+    }
 }

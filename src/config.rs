@@ -38,6 +38,38 @@ pub const DEFAULT_READ_COALESCE: Duration = Duration::from_millis(1);
 /// Largest accepted `--read-coalesce-us`: 100 ms.
 pub const MAX_READ_COALESCE: Duration = Duration::from_millis(100);
 
+// Upper bounds of the numeric and duration settings. Each is far above any sensible
+// value, so it only catches typos and values that would overflow a clock or a counter
+// (`Instant::now() + Duration::from_secs(u64::MAX)` panics).
+
+/// Largest accepted `--max-in-flight`: 1,000,000 messages, 100 times the default.
+/// RabbitMQ reaches its ceiling by 10,000 unconfirmed publishes (FACTS.md), and every
+/// message in the window is held in memory until it is confirmed.
+pub const MAX_IN_FLIGHT_CAP: usize = 1_000_000;
+/// Largest accepted `--max-in-flight-bytes`: 4 GiB, 256 times the default. The window's
+/// payloads are held in memory, so this is the memory an operator agrees to spend on them.
+pub const MAX_IN_FLIGHT_BYTES_CAP: usize = 4 * 1024 * 1024 * 1024;
+/// Largest accepted `--max-message-bytes` and `--broker-max-message-bytes`: 512 MiB,
+/// RabbitMQ's hard upper limit for its own `max_message_size`: a larger message could never
+/// be published.
+pub const MAX_MESSAGE_BYTES_CAP: usize = 512 * 1024 * 1024;
+/// Largest accepted `--max-attempts`: 1,000. With the nack retry backoff capped at 5 s that
+/// is more than an hour of retrying one message while everything behind it waits.
+pub const MAX_ATTEMPTS_CAP: u32 = 1_000;
+/// Largest accepted `--slot-busy-timeout-s`: 30 days. A bounded wait longer than that is a
+/// standby in all but name (0 waits forever).
+pub const SLOT_BUSY_TIMEOUT_CAP: Duration = Duration::from_secs(30 * 86_400);
+/// Largest accepted `--shutdown-timeout-s`: one day. A drain waits only for confirms the
+/// broker owes (milliseconds when it is healthy); a service manager kills a process long
+/// before a day has passed (the shipped unit waits 45 s).
+pub const SHUTDOWN_TIMEOUT_CAP: Duration = Duration::from_secs(86_400);
+/// Largest accepted `dead-letters list --limit`: 1,000,000 rows, more than a terminal or a
+/// JSON reader wants at once (use SQL on `outbox.dead_letter` for more).
+pub const DEAD_LETTER_LIST_CAP: i64 = 1_000_000;
+/// Longest accepted `dead-letters purge --older-than`: 36,500 days (100 years), older than
+/// any row can be.
+pub const DEAD_LETTER_AGE_CAP: Duration = Duration::from_secs(36_500 * 86_400);
+
 /// Default `--stall-after-s`: unconfirmed messages with no settle for a minute are a stall
 /// (a confirm round trip is milliseconds; a minute rules out a slow disk or a GC pause).
 pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(60);
@@ -110,9 +142,24 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The logical decoding message prefix of our envelopes.
 pub const MESSAGE_PREFIX: &str = "pgoutbox";
 
+/// Options that select what one invocation acts on (or how it prints) rather than
+/// configure pgoutbox: they read no environment variable.
+pub const FLAGS_WITHOUT_ENV: &[&str] = &[
+    "--all",
+    "--force",
+    "--id",
+    "--json",
+    "--limit",
+    "--older-than",
+];
+
 /// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper
-/// case with `-` as `_` (the rule every option of the CLI follows).
+/// case with `-` as `_` (the rule every setting of the CLI follows); `None` for
+/// [`FLAGS_WITHOUT_ENV`].
 pub fn env_of(flag: &str) -> Option<String> {
+    if FLAGS_WITHOUT_ENV.contains(&flag) {
+        return None;
+    }
     let name = flag.strip_prefix("--")?;
     Some(format!(
         "PGOUTBOX_{}",
@@ -156,17 +203,65 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
     }
 }
 
-/// Replaces the password in a URL with `***` for logs and `Debug`.
+/// Replaces the password in a URL with `***` for logs and `Debug`; a URL without one is
+/// returned as written (not normalised), so an error shows the value the operator typed.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("***"));
             u.to_string()
         }
-        Ok(u) => u.to_string(),
+        Ok(_) => url.to_owned(),
         Err(_) if url.contains("password") => "<redacted connection string>".into(),
-        Err(_) => url.to_owned(),
+        // Not a URL the parser accepts, yet it may carry `user:secret@`: mask what lies
+        // between the first ':' after the scheme and the last '@' (indices of ASCII
+        // characters, so always character boundaries).
+        Err(_) => match url.split_once("://") {
+            Some((scheme, rest)) => match rest.rsplit_once('@') {
+                Some((userinfo, host)) => match userinfo.split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                    None => url.to_owned(),
+                },
+                None => url.to_owned(),
+            },
+            None => url.to_owned(),
+        },
     }
+}
+
+/// How long a Postgres connection handshake (TCP connect, startup, authentication, up to
+/// the first ReadyForQuery) may take when the URL sets no `connect_timeout`: long enough for
+/// a loaded server or a slow SCRAM exchange, short enough that a host that accepts TCP and
+/// never answers is reported promptly instead of hanging `status` or `run`.
+pub const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The handshake timeout for a Postgres connection: libpq's `connect_timeout` from the URL
+/// (seconds), else [`DEFAULT_CONNECT_TIMEOUT`]. tokio-postgres' parser drops
+/// `connect_timeout=0` (libpq: wait for ever), so 0 also means the default: pgoutbox never
+/// waits for ever on a handshake.
+pub fn connect_timeout(config: &tokio_postgres::Config) -> std::time::Duration {
+    config
+        .get_connect_timeout()
+        .copied()
+        .filter(|t| !t.is_zero())
+        .unwrap_or(DEFAULT_CONNECT_TIMEOUT)
+}
+
+/// `PostgreSQL user@host:port/dbname` of a connection config, for error messages (no
+/// password). The first host and port are shown.
+pub fn describe_postgres_target(config: &tokio_postgres::Config) -> String {
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".into(),
+    };
+    format!(
+        "PostgreSQL {}@{}:{}/{}",
+        config.get_user().unwrap_or("?"),
+        host,
+        config.get_ports().first().copied().unwrap_or(5432),
+        config.get_dbname().unwrap_or("?")
+    )
 }
 
 /// Parses a Postgres connection string (URL or key=value) with tokio-postgres' parser,
@@ -175,11 +270,18 @@ pub fn redact_url(url: &str) -> String {
 /// # Errors
 /// [`ValidationError`] for `--database-url` when it does not parse or asks for TLS.
 pub fn parse_database_url(url: &str) -> Result<tokio_postgres::Config, ValidationError> {
-    crate::replication::connect::refuse_tls(url).map_err(|e| ValidationError {
-        setting: "--database-url",
-        value: redact_url(url),
-        rule: e.to_string(),
-    })?;
+    // tokio-postgres' parser knows only disable/prefer/require; look for libpq's other
+    // TLS modes in the text itself, so none of them is ever taken for plaintext.
+    if let Some(mode) = ["require", "verify-ca", "verify-full"]
+        .into_iter()
+        .find(|mode| url.contains(&format!("sslmode={mode}")))
+    {
+        return Err(ValidationError {
+            setting: "--database-url",
+            value: redact_url(url),
+            rule: format!("sslmode={mode} asks for TLS, which is not supported yet; pgoutbox never falls back to plaintext"),
+        });
+    }
     let config: tokio_postgres::Config = url.parse().map_err(|e| ValidationError {
         setting: "--database-url",
         value: redact_url(url),
@@ -296,6 +398,17 @@ impl RunConfig {
                 rule: "amqps:// asks for TLS, which is not supported yet".into(),
             });
         }
+        // Parsed here as the broker client will parse it, so a malformed URL is a usage
+        // error at start, not a connect failure retried for ever.
+        if let Err(e) = self.amqp_url.parse::<lapin::uri::AMQPUri>() {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: redact_url(&self.amqp_url),
+                rule: format!(
+                    "not an AMQP URL ({e}); expected amqp://user:password@host:port/vhost"
+                ),
+            });
+        }
         validate_identifier("--slot", &self.slot)?;
         validate_identifier("--publication", &self.publication)?;
         if self.exchange.is_empty() || self.exchange.len() > 255 {
@@ -305,13 +418,57 @@ impl RunConfig {
                 rule: "use 1 to 255 bytes (the default exchange \"\" cannot be declared)".into(),
             });
         }
-        if self.max_in_flight == 0 {
-            return Err(ValidationError {
-                setting: "--max-in-flight",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
+        check_range(
+            "--max-in-flight",
+            self.max_in_flight,
+            1,
+            MAX_IN_FLIGHT_CAP,
+            "messages",
+        )?;
+        check_range(
+            "--max-in-flight-bytes",
+            self.max_in_flight_bytes,
+            1,
+            MAX_IN_FLIGHT_BYTES_CAP,
+            "bytes",
+        )?;
+        check_range(
+            "--max-message-bytes",
+            self.max_message_bytes,
+            1,
+            MAX_MESSAGE_BYTES_CAP,
+            "bytes",
+        )?;
+        if let Some(broker_max) = self.broker_max_message_bytes {
+            check_range(
+                "--broker-max-message-bytes",
+                broker_max,
+                1,
+                MAX_MESSAGE_BYTES_CAP,
+                "bytes",
+            )?;
         }
+        check_range(
+            "--max-attempts",
+            self.max_attempts,
+            1,
+            MAX_ATTEMPTS_CAP,
+            "attempts",
+        )?;
+        check_range(
+            "--slot-busy-timeout-s",
+            self.slot_busy_timeout.map_or(0, |d| d.as_secs()),
+            0,
+            SLOT_BUSY_TIMEOUT_CAP.as_secs(),
+            "seconds (0 waits forever)",
+        )?;
+        check_range(
+            "--shutdown-timeout-s",
+            self.shutdown_timeout.as_secs(),
+            0,
+            SHUTDOWN_TIMEOUT_CAP.as_secs(),
+            "seconds",
+        )?;
         if self.read_coalesce > MAX_READ_COALESCE {
             return Err(ValidationError {
                 setting: "--read-coalesce-us",
@@ -322,32 +479,39 @@ impl RunConfig {
                 ),
             });
         }
-        if self.max_attempts == 0 {
-            return Err(ValidationError {
-                setting: "--max-attempts",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
-        }
-        if self.stall_after.is_zero() || self.stall_after > MAX_STALL_AFTER {
-            return Err(ValidationError {
-                setting: "--stall-after-s",
-                value: self.stall_after.as_secs().to_string(),
-                rule: format!(
-                    "must be between 1 and {} seconds",
-                    MAX_STALL_AFTER.as_secs()
-                ),
-            });
-        }
-        if self.max_in_flight_bytes == 0 {
-            return Err(ValidationError {
-                setting: "--max-in-flight-bytes",
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            });
-        }
+        check_range(
+            "--stall-after-s",
+            self.stall_after.as_secs(),
+            1,
+            MAX_STALL_AFTER.as_secs(),
+            "seconds",
+        )?;
         Ok(())
     }
+}
+
+/// Checks `min <= value <= max` for a numeric setting.
+///
+/// # Errors
+/// [`ValidationError`] naming `setting`, with the range and its `unit` in the rule.
+fn check_range<T>(
+    setting: &'static str,
+    value: T,
+    min: T,
+    max: T,
+    unit: &str,
+) -> Result<(), ValidationError>
+where
+    T: PartialOrd + std::fmt::Display,
+{
+    if value < min || value > max {
+        return Err(ValidationError {
+            setting,
+            value: value.to_string(),
+            rule: format!("must be from {min} to {max} {unit}"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -364,75 +528,25 @@ mod tests {
     }
 
     #[test]
-    fn validation_errors_name_the_flag_and_its_environment_variable() {
-        // The rule env_of relies on holds for every option of every subcommand.
-        use clap::CommandFactory;
-        let cli = crate::cli::Cli::command();
-        let mut checked = 0;
-        let mut stack: Vec<&clap::Command> = vec![&cli];
-        while let Some(cmd) = stack.pop() {
-            stack.extend(cmd.get_subcommands());
-            for arg in cmd.get_arguments() {
-                if let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) {
-                    assert_eq!(
-                        env_of(&format!("--{long}")).as_deref(),
-                        env.to_str(),
-                        "--{long}"
-                    );
-                    checked += 1;
-                }
-            }
-        }
-        assert!(checked >= 15, "checked {checked} options");
-        let e = ValidationError {
-            setting: "--read-coalesce-us",
-            value: "200000".into(),
-            rule: "must be at most 100000".into(),
-        };
+    fn connect_timeout_is_the_urls_or_ten_seconds() {
+        let timeout = |url: &str| connect_timeout(&parse_database_url(url).unwrap());
         assert_eq!(
-            e.to_string(),
-            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"200000\": must be at most 100000"
+            timeout("postgres://u@h/db?connect_timeout=3"),
+            std::time::Duration::from_secs(3)
         );
-    }
-
-    #[test]
-    fn http_addr_and_stall_after_are_validated() {
-        use clap::Parser;
-        assert_eq!(parse_http_addr("off"), Ok(None));
         assert_eq!(
-            parse_http_addr("127.0.0.1:8432").unwrap().map(|a| a.port()),
-            Some(8432)
+            timeout("host=h user=u connect_timeout=45"),
+            std::time::Duration::from_secs(45)
         );
-        let e = parse_http_addr("nonsense").unwrap_err();
-        assert_eq!(e.setting, "--http-addr");
-        assert!(e.to_string().contains("or off"), "{e}");
-        let config = |stall: &str| {
-            let cli = crate::cli::Cli::try_parse_from([
-                "pgoutbox",
-                "run",
-                "--database-url",
-                "postgres://u@h/db",
-                "--amqp-url",
-                "amqp://h",
-                "--stall-after-s",
-                stall,
-            ])
-            .unwrap();
-            match cli.command {
-                crate::cli::Command::Run(args) => args.into_config(),
-                _ => unreachable!(),
-            }
-        };
-        let ok = config("60");
-        assert!(ok.validate().is_ok());
+        assert_eq!(timeout("postgres://u@h/db"), DEFAULT_CONNECT_TIMEOUT);
         assert_eq!(
-            ok.http_addr.map(|a| a.to_string()).as_deref(),
-            Some(crate::metrics::DEFAULT_HTTP_ADDR)
+            timeout("postgres://u@h/db?connect_timeout=0"),
+            DEFAULT_CONNECT_TIMEOUT
         );
-        for bad in ["0", "3601"] {
-            let e = config(bad).validate().unwrap_err();
-            assert_eq!(e.setting, "--stall-after-s", "{e}");
-        }
+        assert_eq!(
+            describe_postgres_target(&parse_database_url("postgres://u:secret@h:6543/db").unwrap()),
+            "PostgreSQL u@h:6543/db"
+        );
     }
 
     #[test]
@@ -442,6 +556,17 @@ mod tests {
             "postgres://u:***@h:5/db"
         );
         assert!(!redact_url("amqp://guest:guest@h/%2f").contains("guest@"));
+        // Unparseable, with a password: masked all the same.
+        assert_eq!(
+            redact_url("amqp://g:s3cr@t@h:99999999/%2f"),
+            "amqp://g:***@h:99999999/%2f"
+        );
+        assert_eq!(
+            redact_url("postgres://日:é@[::1/db"),
+            "postgres://日:***@[::1/db"
+        );
+        // Without a password, the text as written.
+        assert_eq!(redact_url("postgres://u@h/é"), "postgres://u@h/é");
     }
 
     #[test]
@@ -455,5 +580,157 @@ mod tests {
             assert!(e.to_string().contains("TLS"), "{e}");
         }
         assert!(parse_database_url("postgres://u@h/db?sslmode=disable").is_ok());
+    }
+
+    /// A valid configuration with the defaults the CLI gives.
+    fn base() -> RunConfig {
+        let config = RunConfig {
+            database_url: "postgres://u@h/db".into(),
+            amqp_url: "amqp://g:g@h/%2f".into(),
+            slot: DEFAULT_SLOT.into(),
+            publication: DEFAULT_PUBLICATION.into(),
+            exchange: DEFAULT_EXCHANGE.into(),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
+            slot_busy_timeout: None,
+            on_unroutable: UnroutablePolicy::DeadLetter,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            broker_max_message_bytes: None,
+            failpoint: None,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            read_coalesce: DEFAULT_READ_COALESCE,
+            instance_id: "test".into(),
+            http_addr: None,
+            stall_after: DEFAULT_STALL_AFTER,
+        };
+        config.validate().unwrap();
+        config
+    }
+
+    #[test]
+    fn http_addr_and_stall_after_are_validated() {
+        assert_eq!(parse_http_addr("off"), Ok(None));
+        assert_eq!(
+            parse_http_addr("127.0.0.1:8432").unwrap().map(|a| a.port()),
+            Some(8432)
+        );
+        let e = parse_http_addr("nonsense").unwrap_err();
+        assert_eq!(e.setting, "--http-addr");
+        assert!(e.to_string().contains("or off"), "{e}");
+        for bad in [0, 3601] {
+            let config = RunConfig {
+                stall_after: Duration::from_secs(bad),
+                ..base()
+            };
+            let e = config.validate().unwrap_err();
+            assert_eq!(e.setting, "--stall-after-s", "{e}");
+        }
+    }
+
+    #[test]
+    fn malformed_broker_urls_are_refused_without_their_password() {
+        for (url, why) in [
+            ("amqp://g:secret@h:99999999/%2f", "invalid port number"),
+            ("amqp://g:secret@h/%2f?heartbeat=é", "invalid digit"),
+            ("amqp://g:secret@h/%2f?channel_max=70000", "too large"),
+            ("amqp://g:secret@[::1/%2f", "invalid IPv6"),
+        ] {
+            let mut c = base();
+            c.amqp_url = url.into();
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.setting, "--amqp-url", "{url}");
+            let text = e.to_string();
+            assert!(
+                text.contains(why)
+                    && text.contains("expected amqp://user:password@host:port/vhost"),
+                "{url}: {text}"
+            );
+            assert!(!text.contains("secret"), "{text}");
+        }
+    }
+
+    #[test]
+    fn every_numeric_and_duration_setting_has_bounds() {
+        type Set = fn(&mut RunConfig, u64);
+        // (setting, how to set it, lowest accepted, highest accepted)
+        let cases: [(&str, Set, u64, u64); 8] = [
+            (
+                "--max-in-flight",
+                |c, v| c.max_in_flight = v as usize,
+                1,
+                1_000_000,
+            ),
+            (
+                "--max-in-flight-bytes",
+                |c, v| c.max_in_flight_bytes = v as usize,
+                1,
+                1 << 32,
+            ),
+            (
+                "--max-message-bytes",
+                |c, v| c.max_message_bytes = v as usize,
+                1,
+                512 << 20,
+            ),
+            (
+                "--broker-max-message-bytes",
+                |c, v| c.broker_max_message_bytes = Some(v as usize),
+                1,
+                512 << 20,
+            ),
+            ("--max-attempts", |c, v| c.max_attempts = v as u32, 1, 1_000),
+            (
+                "--slot-busy-timeout-s",
+                |c, v| c.slot_busy_timeout = Some(Duration::from_secs(v)),
+                0,
+                30 * 86_400,
+            ),
+            (
+                "--shutdown-timeout-s",
+                |c, v| c.shutdown_timeout = Duration::from_secs(v),
+                0,
+                86_400,
+            ),
+            (
+                "--read-coalesce-us",
+                |c, v| c.read_coalesce = Duration::from_micros(v),
+                0,
+                100_000,
+            ),
+        ];
+        for (setting, set, low, high) in cases {
+            for ok in [low, high] {
+                let mut c = base();
+                set(&mut c, ok);
+                assert_eq!(c.validate(), Ok(()), "{setting} = {ok}");
+            }
+            let mut bad = vec![high + 1];
+            if low > 0 {
+                bad.push(low - 1);
+            }
+            // The inputs that used to panic or wrap: u64::MAX seconds overflows `Instant`.
+            if setting != "--max-attempts" {
+                bad.push(u64::MAX);
+            }
+            for value in bad {
+                let mut c = base();
+                set(&mut c, value);
+                let e = c.validate().unwrap_err();
+                assert_eq!(e.setting, setting, "{value}");
+                assert_eq!(e.value, value.to_string());
+                let env = env_of(setting).unwrap();
+                assert!(
+                    e.to_string().starts_with(&format!(
+                        "invalid setting {setting} ({env}) = \"{value}\": must be"
+                    )) && e.to_string().contains(&high.to_string()),
+                    "{e}"
+                );
+            }
+        }
+        // 0 seconds of slot-busy timeout means "wait forever", not an out-of-range value.
+        let mut c = base();
+        c.slot_busy_timeout = None;
+        assert_eq!(c.validate(), Ok(()));
     }
 }

@@ -29,6 +29,20 @@ pub const VERSION_1: u8 = 1;
 /// they become AMQP short strings (routing key, message-id, content-type, field-table key).
 pub const MAX_SHORT_STR: usize = 255;
 
+/// The highest first byte read as a (future) envelope version. Versions grow by one per
+/// format change, so anything above this, in particular any printable ASCII character
+/// (0x20 and up), is not a version but content that is no envelope.
+pub const MAX_FUTURE_VERSION: u8 = 0x1f;
+
+/// ` ('c')` for a printable ASCII byte, else nothing.
+fn printable(b: u8) -> String {
+    if b.is_ascii_graphic() {
+        format!(" ('{}')", b as char)
+    } else {
+        String::new()
+    }
+}
+
 /// Length in bytes of the fixed part before the header: version byte and u32 header length.
 const FIXED_LEN: usize = 1 + 4;
 
@@ -59,14 +73,28 @@ pub enum EnvelopeError {
     /// The content had no bytes at all.
     #[error("empty envelope: expected at least a version byte at offset 0")]
     Empty,
-    /// The version byte is not one this pgoutbox understands.
+    /// The version byte is newer than this pgoutbox understands (2 to
+    /// [`MAX_FUTURE_VERSION`]): the envelope was written by a newer `sql/outbox.sql`.
     #[error(
         "unsupported envelope version {version} at offset 0: this pgoutbox understands version 1 \
-         only; a newer pgoutbox may be needed"
+         only; the envelope was written by a newer outbox.emit, so a newer pgoutbox may be needed"
     )]
     UnsupportedVersion {
         /// The version byte found.
         version: u8,
+    },
+    /// The first byte is no envelope version at all (0, or above [`MAX_FUTURE_VERSION`], such
+    /// as the first character of hand-written text): the message was not written by
+    /// `outbox.emit`/`outbox.emit_bytes`.
+    #[error(
+        "not a pgoutbox envelope: the content starts with byte {first_byte:#04x}{}, where an \
+         envelope starts with its version (1); emit outbox messages with outbox.emit or \
+         outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly",
+        printable(*first_byte)
+    )]
+    NotAnEnvelope {
+        /// The first byte of the content.
+        first_byte: u8,
     },
     /// Fewer than 4 bytes follow the version byte.
     #[error(
@@ -165,6 +193,7 @@ pub enum EnvelopeError {
 ///
 /// # Errors
 /// [`EnvelopeError::Empty`], [`EnvelopeError::UnsupportedVersion`],
+/// [`EnvelopeError::NotAnEnvelope`],
 /// [`EnvelopeError::TruncatedHeaderLength`] or [`EnvelopeError::TruncatedHeader`] for bad
 /// framing; [`EnvelopeError::HeaderNotJson`], [`EnvelopeError::HeaderNotObject`],
 /// [`EnvelopeError::MissingField`], [`EnvelopeError::FieldNotString`] or
@@ -175,7 +204,13 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         return Err(EnvelopeError::Empty);
     };
     if version != VERSION_1 {
-        return Err(EnvelopeError::UnsupportedVersion { version });
+        return Err(if (VERSION_1 + 1..=MAX_FUTURE_VERSION).contains(&version) {
+            EnvelopeError::UnsupportedVersion { version }
+        } else {
+            EnvelopeError::NotAnEnvelope {
+                first_byte: version,
+            }
+        });
     }
     let len_bytes: [u8; 4] = content
         .get(1..FIXED_LEN)
@@ -464,6 +499,27 @@ mod tests {
     }
 
     #[test]
+    fn hand_written_text_is_not_blamed_on_an_old_pgoutbox() {
+        let err = decode(Bytes::from_static(b"hello")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "not a pgoutbox envelope: the content starts with byte 0x68 ('h'), where an envelope \
+             starts with its version (1); emit outbox messages with outbox.emit or \
+             outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly"
+        );
+        for content in [&b"{\"a\": 1}"[..], b"\x00\x00", b" x", b"\xff"] {
+            let err = decode(Bytes::copy_from_slice(content)).unwrap_err();
+            assert!(!err.to_string().contains("newer"), "{content:?}: {err}");
+            assert!(
+                err.to_string().contains("outbox.emit"),
+                "{content:?}: {err}"
+            );
+        }
+        let err = decode(Bytes::from_static(b"\x1f\0\0\0\0")).unwrap_err();
+        assert!(err.to_string().contains("newer pgoutbox"), "{err}");
+    }
+
+    #[test]
     fn framing_errors() {
         assert!(matches!(decode(Bytes::new()), Err(EnvelopeError::Empty)));
         let err = decode(Bytes::from_static(b"\x02\0\0\0\0")).unwrap_err();
@@ -474,7 +530,7 @@ mod tests {
         assert!(err.to_string().contains("newer pgoutbox"), "{err}");
         assert!(matches!(
             decode(Bytes::from_static(b"\x00")),
-            Err(EnvelopeError::UnsupportedVersion { version: 0 })
+            Err(EnvelopeError::NotAnEnvelope { first_byte: 0 })
         ));
         assert!(matches!(
             decode(Bytes::from_static(b"\x01\0\0")),

@@ -23,6 +23,25 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// An ordinary SQL connection did not complete its handshake (TCP connect, startup and
+    /// authentication) within the connect timeout: the host accepted TCP, or nobody
+    /// answered, and the server never finished. Retryable (`run` reconnects with backoff).
+    #[error("connecting to {target} timed out after {timeout_s} s (connect_timeout): the server did not finish the connection handshake; check that PostgreSQL is running and answering at that host and port, or raise connect_timeout in --database-url (for example ?connect_timeout=30)")]
+    PostgresConnectTimeout {
+        /// `user@host:port/dbname` (no password).
+        target: String,
+        /// The timeout applied, in seconds.
+        timeout_s: u64,
+    },
+    /// The server asked for a password and the database URL carries none. Definite.
+    #[error("{target} asks for a password and none was given: add it to --database-url (PGOUTBOX_DATABASE_URL) as postgres://user:password@host:port/db")]
+    PostgresPasswordMissing {
+        /// `user@host:port/dbname` (no password).
+        target: String,
+        /// tokio-postgres' error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
     /// The server is not set up the way pgoutbox needs; the message names the setting,
     /// the value and the fix.
     #[error("{0}")]
@@ -116,6 +135,7 @@ impl Error {
             | Error::UndecodableWal { .. }
             | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,
+            Error::PostgresPasswordMissing { .. } => false,
             Error::Replication(e) => {
                 !matches!(
                     e,
@@ -128,7 +148,15 @@ impl Error {
             Error::Sql { source, .. } => !source
                 .code()
                 .is_some_and(|c| is_definite_sqlstate(c.code())),
-            Error::Publisher(crate::publisher::Error::Url(_)) => false,
+            // The broker refused the login or the vhost (403, 530): retrying cannot fix it.
+            Error::Publisher(
+                crate::publisher::Error::Url(_) | crate::publisher::Error::Refused { .. },
+            ) => false,
+            // The exchange exists with another type or durability (406), or the user may
+            // not configure it (403): the same declare fails again.
+            Error::Publisher(crate::publisher::Error::Declare { source, .. }) => {
+                !matches!(crate::publisher::broker_reply(source), Some((403 | 406, _)))
+            }
             _ => true,
         }
     }

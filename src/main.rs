@@ -8,18 +8,54 @@ use pgoutbox::config::{parse_database_url, validate_identifier};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
 
+/// Exit status of a usage error: a bad flag or value on the command line or in a
+/// `PGOUTBOX_*` variable, whether clap or our validation finds it (clap exits 2 itself).
+const EXIT_USAGE: u8 = 2;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Settings are checked before anything else happens, so a bad one is a usage error
+    // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
+    // u64::MAX seconds used to overflow `Instant` at SIGTERM).
+    if let Command::Run(args) = &cli.command {
+        if let Err(e) = args.clone().into_config().validate() {
+            eprintln!("{}", render_report(&e));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    }
     // lapin logs returned messages (with their payload) at warn and its own connection
     // failures at error; pgoutbox reports both itself, so lapin stays silent by default.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,lapin=off,tokio_postgres=warn")
     });
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Whatever RUST_LOG asks for, the client libraries never log below what is safe: lapin's
+    // trace output carries the AMQP PLAIN credentials (connection.start-ok) and its warnings
+    // returned payloads; tokio-postgres logs query parameters (dead-letter envelopes) at
+    // debug. pgoutbox's own events never carry either.
+    let secrets_safe = tracing_subscriber::filter::filter_fn(|meta| {
+        let target = meta.target();
+        if target.starts_with("lapin") || target.starts_with("amq_protocol") {
+            false
+        } else if target.starts_with("tokio_postgres") || target.starts_with("postgres_protocol") {
+            *meta.level() <= tracing::Level::WARN
+        } else {
+            true
+        }
+    });
+    {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        use tracing_subscriber::Layer;
+        tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .with_filter(secrets_safe)
+                    .with_filter(filter),
+            )
+            .init();
+    }
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
     // itself. lapin runs its socket I/O on a thread of its own either way.
@@ -37,7 +73,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{}", render_report(&e));
-            ExitCode::FAILURE
+            if matches!(e, Error::Config(_)) {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -190,8 +230,22 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             } else {
                 admin::Selection::Ids(args.id)
             };
-            let n = admin::requeue_dead_letters(&mut client, &selection).await?;
-            println!("requeued {n} dead letters");
+            let ids = admin::requeue_dead_letters(&mut client, &selection).await?;
+            println!(
+                "requeued {} dead letters{}",
+                ids.len(),
+                if ids.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (ids {})",
+                        ids.iter()
+                            .map(i64::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            );
             Ok(())
         }
         DeadLetterCommand::Purge(args) => {

@@ -3,10 +3,13 @@
 mod support;
 
 mod chaos;
+mod cli;
 mod end_to_end;
+mod errors;
 mod faults;
 mod hardening;
 mod harness_smoke;
+mod lifecycle;
 mod observability;
 mod operations;
 mod proxy_smoke;

@@ -31,8 +31,6 @@ use crate::replication::session::ReplicationStream;
 
 /// How long closing the broker connection and the replication stream may take.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long connecting to the broker may take (a black-holed host never answers).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Healthy-session length after which the reconnect backoff starts again from its minimum.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 /// Bounds of the delay between two sessions; jitter stays inside the cap.
@@ -351,18 +349,7 @@ async fn connect(
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
     };
-    let publisher = tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        Publisher::<u64>::connect(&publisher_config),
-    )
-    .await
-    .map_err(|_| {
-        Error::BrokerLost(format!(
-            "connecting to {} timed out after {} s (no answer to the AMQP handshake)",
-            crate::config::redact_url(&config.amqp_url),
-            CONNECT_TIMEOUT.as_secs()
-        ))
-    })??;
+    let publisher = Publisher::<u64>::connect(&publisher_config).await?;
     let hint = resume.unwrap_or(Lsn::ZERO);
     let (stream, interval) =
         start_stream(config, pg, &sql, &application_name, hint, telemetry).await?;

@@ -56,6 +56,32 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// The broker refused the login (403 `ACCESS_REFUSED`: wrong user or password) or the
+    /// vhost (530 `NOT_ALLOWED`: missing vhost, or no permission on it). Definite: retrying
+    /// cannot fix it.
+    #[error("RabbitMQ at {url} refused the connection with {reply_code} {reply_text}; {fix}")]
+    Refused {
+        /// The redacted URL.
+        url: String,
+        /// The broker's reply code, e.g. 403.
+        reply_code: u16,
+        /// The broker's reply text, e.g. `ACCESS_REFUSED - Login was refused ...`.
+        reply_text: String,
+        /// What to change.
+        fix: String,
+        /// lapin's error.
+        #[source]
+        source: Box<lapin::Error>,
+    },
+    /// The AMQP handshake did not finish in time (the host accepted TCP and never answered,
+    /// or nobody answered). Retryable.
+    #[error("RabbitMQ: connecting to {url} timed out after {timeout_s} s: the AMQP handshake did not finish; check host and port in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running and answering there")]
+    ConnectTimeout {
+        /// The redacted URL.
+        url: String,
+        /// The timeout, in seconds.
+        timeout_s: u64,
+    },
     /// Declaring the exchange failed (for example 406 PRECONDITION_FAILED when it exists
     /// with another type or durability).
     #[error("could not declare exchange {exchange:?} (durable topic); if it exists with another type or durability, delete it or pick another --exchange")]
@@ -108,12 +134,23 @@ impl<T> std::fmt::Debug for Publisher<T> {
 }
 
 impl<T: Send + 'static> Publisher<T> {
-    /// Connects, opens one channel in confirm mode and declares the exchange (durable topic).
+    /// Connects, opens one channel in confirm mode and declares the exchange (durable topic),
+    /// all within [`CONNECT_TIMEOUT`].
     ///
     /// # Errors
-    /// [`Error::Url`] for `amqps://` (TLS not supported yet); [`Error::Connect`];
+    /// [`Error::Url`] for `amqps://` (TLS not supported yet); [`Error::Refused`] when the
+    /// broker refuses the login or the vhost; [`Error::ConnectTimeout`]; [`Error::Connect`];
     /// [`Error::Declare`].
     pub async fn connect(config: &PublisherConfig) -> Result<Self, Error> {
+        tokio::time::timeout(CONNECT_TIMEOUT, Self::connect_unbounded(config))
+            .await
+            .map_err(|_| Error::ConnectTimeout {
+                url: crate::config::redact_url(&config.amqp_url),
+                timeout_s: CONNECT_TIMEOUT.as_secs(),
+            })?
+    }
+
+    async fn connect_unbounded(config: &PublisherConfig) -> Result<Self, Error> {
         if config.amqp_url.starts_with("amqps://") {
             return Err(Error::Url(
                 "amqps:// asks for TLS, which is not supported yet; use amqp:// on a trusted network or a local TLS tunnel".into(),
@@ -123,13 +160,22 @@ impl<T: Send + 'static> Publisher<T> {
             .with_connection_name(config.connection_name.clone().into());
         let connection = Connection::connect(&with_heartbeat(&config.amqp_url), props)
             .await
-            .map_err(|source| Error::Connect {
-                context: format!(
-                    "could not connect to {}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running",
-                    crate::config::redact_url(&config.amqp_url)
-                ),
-                source,
-            })?;
+            .map_err(|source| connect_error(&config.amqp_url, source))?;
+        // The broker's reason for closing the channel (reply code and text) reaches us as a
+        // connection event; publishes made after the close only see "invalid channel state".
+        let close_reason = CloseReason::default();
+        let mut events = connection.events_listener();
+        let recorder = close_reason.clone();
+        let events_task = tokio::spawn(async move {
+            use futures::StreamExt;
+            while let Some(event) = events.next().await {
+                if let lapin::Event::Error(e) = event {
+                    if broker_reply(&e).is_some() {
+                        recorder.record(describe_lapin_error(&e));
+                    }
+                }
+            }
+        });
         let channel = connection
             .create_channel()
             .await
@@ -165,12 +211,12 @@ impl<T: Send + 'static> Publisher<T> {
         let (outcome_tx, outcomes) = mpsc::unbounded_channel();
         let exchange = ShortString::from(config.exchange.as_str());
         let publish = tokio::spawn(publish_task(channel.clone(), exchange, rx, confirm_tx));
-        let confirm = tokio::spawn(confirm_task(channel, confirm_rx, outcome_tx));
+        let confirm = tokio::spawn(confirm_task(channel, confirm_rx, outcome_tx, close_reason));
         Ok(Publisher {
             connection,
             tx: Some(tx),
             outcomes,
-            tasks: vec![publish, confirm],
+            tasks: vec![publish, confirm, events_task],
         })
     }
 
@@ -249,6 +295,121 @@ impl<T: Send + 'static> Publisher<T> {
     }
 }
 
+/// How long connecting, opening the channel and declaring the exchange may take: a host
+/// that accepts TCP and never answers is reported after this, as a retryable timeout.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The reply code and text of an AMQP error the broker sent (`channel.close` or
+/// `connection.close`), e.g. `(404, "NOT_FOUND - no exchange 'x' in vhost '/'")`.
+pub fn broker_reply(e: &lapin::Error) -> Option<(u16, String)> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            Some((amqp.get_id(), amqp.get_message().as_str().to_owned()))
+        }
+        _ => None,
+    }
+}
+
+/// lapin's error for the operator: an AMQP error the broker sent is shown as the broker's
+/// reply code and text (which names the cause, e.g. `404 NOT_FOUND - no exchange ...`).
+fn describe_lapin_error(e: &lapin::Error) -> String {
+    match (e.kind(), broker_reply(e)) {
+        (lapin::ErrorKind::ProtocolError(amqp), Some((code, text))) => {
+            let scope = match amqp.kind() {
+                lapin::protocol::AMQPErrorKind::Hard(_) => "connection",
+                lapin::protocol::AMQPErrorKind::Soft(_) => "channel",
+            };
+            format!("the broker closed the {scope} with {code} {text}")
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// Maps a failed `Connection::connect` to our error: a refused login or vhost is definite
+/// and says what to change; anything else is a retryable connect failure.
+fn connect_error(amqp_url: &str, source: lapin::Error) -> Error {
+    let url = crate::config::redact_url(amqp_url);
+    match broker_reply(&source) {
+        Some((403, reply_text)) => Error::Refused {
+            url,
+            reply_code: 403,
+            reply_text,
+            fix: "check the user and password in --amqp-url (PGOUTBOX_AMQP_URL); `rabbitmqctl list_users` shows the users, `rabbitmqctl change_password USER PASSWORD` sets one".into(),
+            source: Box::new(source),
+        },
+        Some((530, reply_text)) => {
+            let vhost = vhost_of(amqp_url);
+            Error::Refused {
+                url,
+                reply_code: 530,
+                reply_text,
+                fix: format!(
+                    "the vhost {vhost:?} is missing or the user may not use it: create it with `rabbitmqctl add_vhost {vhost}` and grant the user with `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /) in --amqp-url (PGOUTBOX_AMQP_URL)"
+                ),
+                source: Box::new(source),
+            }
+        }
+        _ => Error::Connect {
+            context: format!(
+                "could not connect to {url}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running"
+            ),
+            source,
+        },
+    }
+}
+
+/// The vhost an AMQP URL names (its percent-decoded path; `/` when empty).
+fn vhost_of(amqp_url: &str) -> String {
+    let path = url::Url::parse(amqp_url)
+        .map(|u| u.path().trim_start_matches('/').to_owned())
+        .unwrap_or_default();
+    if path.is_empty() {
+        return "/".into();
+    }
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The last AMQP error the broker closed the channel or connection with, as text.
+#[derive(Clone, Default)]
+struct CloseReason(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl CloseReason {
+    fn record(&self, text: String) {
+        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        guard.get_or_insert(text);
+    }
+
+    /// `error`, with the broker's close reason when lapin only says the channel is closed.
+    fn explain(&self, error: String) -> String {
+        if !error.contains("invalid channel state") && !error.contains("invalid connection state") {
+            return error;
+        }
+        match self.0.lock().unwrap_or_else(|e| e.into_inner()).as_deref() {
+            Some(reason) => reason.to_owned(),
+            None => error,
+        }
+    }
+}
+
 /// AMQP heartbeat (seconds) asked for when the URL names none: a dead broker or a black-holed
 /// connection is noticed within about twice this.
 pub const DEFAULT_HEARTBEAT_S: u16 = 10;
@@ -316,7 +477,9 @@ impl<T> Pending<T> {
             return true;
         }
         self.result = match &mut self.confirm {
-            Some(c) => c.now_or_never().map(|r| r.map_err(|e| e.to_string())),
+            Some(c) => c
+                .now_or_never()
+                .map(|r| r.map_err(|e| describe_lapin_error(&e))),
             None => Some(Err(self
                 .failure
                 .clone()
@@ -373,7 +536,7 @@ async fn publish_task<T: Send + 'static>(
                     tag,
                     match_key,
                     confirm: None,
-                    failure: Some(e.to_string()),
+                    failure: Some(describe_lapin_error(&e)),
                     result: None,
                     return_recorded: false,
                 },
@@ -398,6 +561,7 @@ async fn confirm_task<T: Send + 'static>(
     channel: Channel,
     mut rx: mpsc::UnboundedReceiver<Pending<T>>,
     outcome_tx: mpsc::UnboundedSender<Vec<(T, PublishOutcome)>>,
+    close_reason: CloseReason,
 ) {
     let mut queue: VecDeque<Pending<T>> = VecDeque::new();
     // Match keys of returned messages whose own confirm has not been classified yet.
@@ -423,7 +587,7 @@ async fn confirm_task<T: Send + 'static>(
                     let ready = tokio::select! {
                         biased;
                         r = confirm => {
-                            front.result = Some(r.map_err(|e| e.to_string()));
+                            front.result = Some(r.map_err(|e| describe_lapin_error(&e)));
                             true
                         }
                         p = rx.recv(), if input_open => {
@@ -490,7 +654,9 @@ async fn confirm_task<T: Send + 'static>(
             .into_iter()
             .map(|(p, r)| {
                 let outcome = match r {
-                    Err(error) => PublishOutcome::Failed { error },
+                    Err(error) => PublishOutcome::Failed {
+                        error: close_reason.explain(error),
+                    },
                     Ok(Confirmation::Nack(_)) => PublishOutcome::Nacked,
                     Ok(Confirmation::NotRequested) => PublishOutcome::Failed {
                         error: "publisher confirms were not enabled".into(),
@@ -515,5 +681,45 @@ async fn confirm_task<T: Send + 'static>(
         if outcome_tx.send(batch).is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vhost_is_the_percent_decoded_path() {
+        assert_eq!(vhost_of("amqp://u:p@h:5672/%2f"), "/");
+        assert_eq!(vhost_of("amqp://u:p@h:5672/"), "/");
+        assert_eq!(vhost_of("amqp://u:p@h:5672"), "/");
+        assert_eq!(vhost_of("amqp://u:p@h/orders%2Feu"), "orders/eu");
+        assert_eq!(vhost_of("amqp://u:p@h/a+b%"), "a+b%");
+    }
+
+    #[test]
+    fn broker_errors_show_the_reply_code_and_text() {
+        let amqp = lapin::protocol::AMQPError::from_id(
+            404,
+            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
+        )
+        .expect("known code");
+        let e = lapin::Error::from(lapin::ErrorKind::ProtocolError(amqp));
+        assert_eq!(
+            describe_lapin_error(&e),
+            "the broker closed the channel with 404 NOT_FOUND - no exchange 'x' in vhost '/'"
+        );
+        let reason = CloseReason::default();
+        reason.record(describe_lapin_error(&e));
+        let closed = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+            lapin::ChannelState::Closed,
+            "basic.publish",
+        ));
+        assert_eq!(
+            reason.explain(closed.to_string()),
+            describe_lapin_error(&e),
+            "a publish after the close names the broker's reason"
+        );
+        assert_eq!(reason.explain("IO error: reset".into()), "IO error: reset");
     }
 }

@@ -47,8 +47,9 @@ impl Socket for UnixStream {
     }
 }
 
-/// How long connecting (TCP connect plus authentication) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the handshake (TCP connect, startup, authentication, up to ReadyForQuery) may
+/// take when the URL sets no `connect_timeout` ([`crate::config::DEFAULT_CONNECT_TIMEOUT`]).
+pub const CONNECT_TIMEOUT: Duration = crate::config::DEFAULT_CONNECT_TIMEOUT;
 
 /// Initial capacity of the read buffer in bytes. Large reads keep the walsender from being
 /// woken for every small chunk (see FACTS.md: the reader should read eagerly, in big chunks).
@@ -81,31 +82,18 @@ impl std::fmt::Debug for ReplicationConnection {
     }
 }
 
-/// Refuses TLS settings before any byte is sent: TLS is not built yet and a plaintext
-/// connection must never be made when TLS was asked for.
-///
-/// # Errors
-/// [`Error::TlsUnsupported`] for `sslmode=require|verify-ca|verify-full` in `raw_url`.
-pub fn refuse_tls(raw_url: &str) -> Result<(), Error> {
-    for mode in ["require", "verify-ca", "verify-full"] {
-        if raw_url.contains(&format!("sslmode={mode}")) {
-            return Err(Error::TlsUnsupported {
-                mode: mode.to_owned(),
-            });
-        }
-    }
-    Ok(())
-}
-
 impl ReplicationConnection {
     /// Connects and authenticates with `replication=database`.
     ///
     /// `config` comes from a `postgres://` URL or a key=value string (tokio-postgres' parser);
     /// the first host is used; a host starting with `/` is a Unix-socket directory.
-    /// `application_name` shows up in `pg_stat_replication` and the server log.
+    /// `application_name` shows up in `pg_stat_replication` and the server log. The whole
+    /// handshake, from the TCP connect to the first ReadyForQuery, is bounded by the URL's
+    /// `connect_timeout` ([`crate::config::connect_timeout`], 10 s when unset).
     ///
     /// # Errors
-    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::Io`] when the connect fails;
+    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::ConnectTimeout`] when the
+    /// handshake does not finish in time; [`Error::Io`] when the connect fails;
     /// [`Error::Server`] when authentication or the startup is refused (for example `42501`
     /// when the role lacks `REPLICATION`); [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
     pub async fn connect(
@@ -117,6 +105,21 @@ impl ReplicationConnection {
                 mode: "require".into(),
             });
         }
+        let timeout = crate::config::connect_timeout(config);
+        tokio::time::timeout(timeout, Self::handshake(config, application_name))
+            .await
+            .map_err(|_| Error::ConnectTimeout {
+                target: crate::config::describe_postgres_target(config),
+                timeout_s: timeout.as_secs(),
+            })?
+    }
+
+    /// TCP connect, startup message, authentication, up to ReadyForQuery (unbounded: the
+    /// caller bounds it).
+    async fn handshake(
+        config: &tokio_postgres::Config,
+        application_name: &str,
+    ) -> Result<ReplicationConnection, Error> {
         let user = config
             .get_user()
             .ok_or_else(|| Error::Settings("no user in the database URL".into()))?
@@ -127,29 +130,31 @@ impl ReplicationConnection {
             .cloned()
             .unwrap_or_else(|| Host::Unix("/var/run/postgresql".into()));
         let port = config.get_ports().first().copied().unwrap_or(5432);
-        let socket: Box<dyn Socket> = tokio::time::timeout(CONNECT_TIMEOUT, async {
-            match &host {
-                Host::Tcp(name) => {
-                    let s = TcpStream::connect((name.as_str(), port)).await?;
-                    s.set_nodelay(true)?;
-                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
-                }
-                Host::Unix(dir) => {
-                    let path = dir.join(format!(".s.PGSQL.{port}"));
-                    let s = UnixStream::connect(path).await?;
-                    Ok::<Box<dyn Socket>, std::io::Error>(Box::new(s))
-                }
+        let socket: Box<dyn Socket> = match &host {
+            Host::Tcp(name) => {
+                let s = TcpStream::connect((name.as_str(), port))
+                    .await
+                    .map_err(|source| Error::Io {
+                        context: "connecting",
+                        source,
+                    })?;
+                s.set_nodelay(true).map_err(|source| Error::Io {
+                    context: "connecting",
+                    source,
+                })?;
+                Box::new(s)
             }
-        })
-        .await
-        .map_err(|_| Error::Io {
-            context: "connecting",
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
-        })?
-        .map_err(|source| Error::Io {
-            context: "connecting",
-            source,
-        })?;
+            Host::Unix(dir) => {
+                let path = dir.join(format!(".s.PGSQL.{port}"));
+                let s = UnixStream::connect(path)
+                    .await
+                    .map_err(|source| Error::Io {
+                        context: "connecting",
+                        source,
+                    })?;
+                Box::new(s)
+            }
+        };
 
         let mut conn = ReplicationConnection {
             socket,
@@ -175,132 +180,20 @@ impl ReplicationConnection {
             },
         )?;
         conn.flush("sending the startup message").await?;
-        tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            conn.authenticate(&user, config.get_password()),
-        )
-        .await
-        .map_err(|_| Error::Io {
-            context: "authenticating",
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "authentication timed out"),
-        })??;
+        conn.authenticate(&user, config.get_password()).await?;
         Ok(conn)
     }
 
     async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<(), Error> {
-        const CTX: &str = "authenticating";
-        let need_password = || Error::PasswordMissing {
-            user: user.to_owned(),
-        };
-        let mut scram: Option<ScramSha256> = None;
+        let mut startup = Startup::new(user, password);
         loop {
-            match self.read_message(CTX).await? {
-                backend::Message::AuthenticationOk => {}
-                backend::Message::AuthenticationCleartextPassword => {
-                    let pw = password.ok_or_else(need_password)?;
-                    self.send_password(pw).await?;
-                }
-                backend::Message::AuthenticationMd5Password(body) => {
-                    let pw = password.ok_or_else(need_password)?;
-                    let hash = postgres_protocol::authentication::md5_hash(
-                        user.as_bytes(),
-                        pw,
-                        body.salt(),
-                    );
-                    self.send_password(hash.as_bytes()).await?;
-                }
-                backend::Message::AuthenticationSasl(body) => {
-                    use fallible_iterator::FallibleIterator;
-                    let pw = password.ok_or_else(need_password)?;
-                    let mut mechanisms = body.mechanisms();
-                    let mut has_scram = false;
-                    while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
-                        context: CTX,
-                        detail: format!("bad SASL mechanism list: {e}"),
-                    })? {
-                        has_scram |= m == SCRAM_SHA_256;
-                    }
-                    if !has_scram {
-                        return Err(Error::UnsupportedAuth {
-                            method: "SASL without SCRAM-SHA-256".into(),
-                        });
-                    }
-                    // Channel binding needs TLS, which we do not speak yet.
-                    let s = ScramSha256::new(pw, ChannelBinding::unsupported());
-                    frontend::sasl_initial_response(
-                        SCRAM_SHA_256,
-                        s.message(),
-                        &mut self.write_buf,
-                    )
-                    .map_err(|source| Error::Io {
-                        context: CTX,
-                        source,
-                    })?;
-                    self.flush(CTX).await?;
-                    scram = Some(s);
-                }
-                backend::Message::AuthenticationSaslContinue(body) => {
-                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
-                        context: CTX,
-                        detail: "SASLContinue before SASL".into(),
-                    })?;
-                    s.update(body.data()).map_err(Error::Scram)?;
-                    frontend::sasl_response(s.message(), &mut self.write_buf).map_err(
-                        |source| Error::Io {
-                            context: CTX,
-                            source,
-                        },
-                    )?;
-                    self.flush(CTX).await?;
-                }
-                backend::Message::AuthenticationSaslFinal(body) => {
-                    let s = scram.as_mut().ok_or_else(|| Error::Protocol {
-                        context: CTX,
-                        detail: "SASLFinal before SASL".into(),
-                    })?;
-                    s.finish(body.data()).map_err(Error::Scram)?;
-                }
-                backend::Message::AuthenticationKerberosV5 => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "Kerberos V5".into(),
-                    })
-                }
-                backend::Message::AuthenticationScmCredential => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "SCM credential".into(),
-                    })
-                }
-                backend::Message::AuthenticationGss | backend::Message::AuthenticationSspi => {
-                    return Err(Error::UnsupportedAuth {
-                        method: "GSSAPI/SSPI".into(),
-                    })
-                }
-                backend::Message::ParameterStatus(_)
-                | backend::Message::BackendKeyData(_)
-                | backend::Message::NoticeResponse(_) => {}
-                backend::Message::ReadyForQuery(_) => return Ok(()),
-                backend::Message::ErrorResponse(body) => {
-                    return Err(Error::Server {
-                        context: "the connection",
-                        error: Box::new(ServerError::from_body(&body)),
-                    })
-                }
-                _ => {
-                    return Err(Error::Protocol {
-                        context: CTX,
-                        detail: "unexpected message during startup".into(),
-                    })
-                }
+            let msg = self.read_message(STARTUP_CTX).await?;
+            match startup.step(msg, &mut self.write_buf)? {
+                StartupStep::Wait => {}
+                StartupStep::Send { context } => self.flush(context).await?,
+                StartupStep::Ready => return Ok(()),
             }
         }
-    }
-
-    async fn send_password(&mut self, pw: &[u8]) -> Result<(), Error> {
-        frontend::password_message(pw, &mut self.write_buf).map_err(|source| Error::Io {
-            context: "sending the password",
-            source,
-        })?;
-        self.flush("sending the password").await
     }
 
     async fn flush(&mut self, context: &'static str) -> Result<(), Error> {
@@ -318,32 +211,10 @@ impl ReplicationConnection {
         context: &'static str,
     ) -> Result<Option<backend::Message>, Error> {
         loop {
-            if self.read_buf.first() == Some(&b'W') && self.read_buf.len() >= 5 {
-                let len = i32::from_be_bytes([
-                    self.read_buf[1],
-                    self.read_buf[2],
-                    self.read_buf[3],
-                    self.read_buf[4],
-                ]);
-                let total = usize::try_from(len)
-                    .ok()
-                    .filter(|l| *l >= 4)
-                    .map(|l| l + 1)
-                    .ok_or_else(|| Error::Protocol {
-                        context,
-                        detail: format!("CopyBothResponse with length {len}"),
-                    })?;
-                if self.read_buf.len() >= total {
-                    self.read_buf.advance(total);
-                    return Ok(None);
-                }
-            } else if let Some(msg) =
-                backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
-                    context,
-                    detail: e.to_string(),
-                })?
-            {
-                return Ok(Some(msg));
+            match parse_backend_message(&mut self.read_buf, context)? {
+                Some(BackendFrame::Message(msg)) => return Ok(Some(msg)),
+                Some(BackendFrame::CopyBothResponse) => return Ok(None),
+                None => {}
             }
             let n = self
                 .socket
@@ -502,5 +373,445 @@ impl ReplicationConnection {
         let mut read_buf = std::mem::take(&mut self.read_buf);
         read_buf.reserve(READ_CHUNK);
         Ok(ReplicationStream::new(self.socket, read_buf))
+    }
+}
+
+/// The largest server message accepted before COPY BOTH, in bytes (length field value).
+///
+/// Before `START_REPLICATION` the server sends only authentication requests, parameter
+/// statuses, notices, errors and the few short rows of `IDENTIFY_SYSTEM` and `SHOW`; libpq
+/// treats anything but rows, errors and notices above 30,000 bytes as a corrupt stream. 1 MiB
+/// leaves room for any error text while bounding what a wrong peer can make us buffer.
+pub const MAX_MESSAGE_BEFORE_COPY: usize = 1 << 20;
+
+/// The error context of the start-up and authentication exchange.
+const STARTUP_CTX: &str = "authenticating";
+
+/// One server message before COPY BOTH, as [`parse_backend_message`] splits it off.
+pub enum BackendFrame {
+    /// A message postgres-protocol parses (authentication requests, `ErrorResponse`,
+    /// `ReadyForQuery`, rows, ...).
+    Message(backend::Message),
+    /// A CopyBothResponse (`W`), which postgres-protocol does not parse; its body is skipped.
+    CopyBothResponse,
+}
+
+impl std::fmt::Debug for BackendFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendFrame::Message(_) => f.write_str("BackendFrame::Message(..)"),
+            BackendFrame::CopyBothResponse => f.write_str("BackendFrame::CopyBothResponse"),
+        }
+    }
+}
+
+/// Splits one complete server message off the front of `buf`, without I/O.
+///
+/// Returns `Ok(None)` when `buf` does not yet hold a complete message: read more bytes into
+/// it and call again. `context` names what the caller was doing, for errors.
+///
+/// # Errors
+/// [`Error::Protocol`] when the message header or body is malformed (for example a length
+/// below 4), or when the header declares more than [`MAX_MESSAGE_BEFORE_COPY`] bytes.
+pub fn parse_backend_message(
+    buf: &mut BytesMut,
+    context: &'static str,
+) -> Result<Option<BackendFrame>, Error> {
+    // postgres-protocol reserves room for the whole declared length before the body has
+    // arrived, so a length is checked here first: 4 GiB declared by anything that is not a
+    // PostgreSQL server must not become a 4 GiB allocation.
+    if let Some(header) = buf.get(..5) {
+        let declared = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+        if usize::try_from(declared).map_or(true, |l| l > MAX_MESSAGE_BEFORE_COPY) {
+            return Err(Error::Protocol {
+                context,
+                detail: format!(
+                    "server message {:?} declares {declared} bytes, more than the                      {MAX_MESSAGE_BEFORE_COPY} allowed before replication starts (is this a                      PostgreSQL server?)",
+                    char::from(header[0])
+                ),
+            });
+        }
+    }
+    if buf.first() == Some(&b'W') && buf.len() >= 5 {
+        let len = i32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]);
+        let total = usize::try_from(len)
+            .ok()
+            .filter(|l| *l >= 4)
+            .map(|l| l + 1)
+            .ok_or_else(|| Error::Protocol {
+                context,
+                detail: format!("CopyBothResponse with length {len}"),
+            })?;
+        if buf.len() >= total {
+            buf.advance(total);
+            return Ok(Some(BackendFrame::CopyBothResponse));
+        }
+        return Ok(None);
+    }
+    let msg = backend::Message::parse(buf).map_err(|e| Error::Protocol {
+        context,
+        detail: e.to_string(),
+    })?;
+    Ok(msg.map(BackendFrame::Message))
+}
+
+/// What to do after [`Startup::step`] handled one server message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartupStep {
+    /// Nothing to send: read the next message.
+    Wait,
+    /// Send the frontend message(s) `step` appended to its `out` buffer, then read the next
+    /// message; `context` names the send in I/O errors.
+    Send {
+        /// What the send is, e.g. `"sending the password"`.
+        context: &'static str,
+    },
+    /// `ReadyForQuery`: start-up is complete and the session takes commands.
+    Ready,
+}
+
+/// The client side of start-up and authentication, without I/O: one server message in,
+/// one [`StartupStep`] (and maybe a frontend message appended to a buffer) out.
+///
+/// Speaks trust, cleartext password, MD5 and SCRAM-SHA-256 without channel binding, and
+/// refuses other methods with [`Error::UnsupportedAuth`]. Follows the PostgreSQL docs,
+/// "Frontend/Backend Protocol / Message Flow / Start-up".
+pub struct Startup<'a> {
+    user: &'a str,
+    password: Option<&'a [u8]>,
+    scram: Option<ScramSha256>,
+}
+
+impl std::fmt::Debug for Startup<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Startup")
+            .field("user", &self.user)
+            .field("has_password", &self.password.is_some())
+            .field("scram_started", &self.scram.is_some())
+            .finish()
+    }
+}
+
+impl<'a> Startup<'a> {
+    /// A new exchange for role `user`, with the URL's password if it has one.
+    pub fn new(user: &'a str, password: Option<&'a [u8]>) -> Self {
+        Startup {
+            user,
+            password,
+            scram: None,
+        }
+    }
+
+    /// Handles one server message of the start-up phase, appending any reply to `out`.
+    ///
+    /// # Errors
+    /// [`Error::Server`] for an `ErrorResponse` (for example a wrong password, `28P01`);
+    /// [`Error::PasswordMissing`] when the server asks for a password and there is none;
+    /// [`Error::UnsupportedAuth`] for Kerberos, SCM, GSSAPI/SSPI or SASL without
+    /// SCRAM-SHA-256; [`Error::Scram`] when the SCRAM exchange fails;
+    /// [`Error::Protocol`] for a message that does not belong in start-up.
+    pub fn step(
+        &mut self,
+        msg: backend::Message,
+        out: &mut BytesMut,
+    ) -> Result<StartupStep, Error> {
+        const CTX: &str = STARTUP_CTX;
+        let need_password = || Error::PasswordMissing {
+            user: self.user.to_owned(),
+        };
+        match msg {
+            backend::Message::AuthenticationOk => Ok(StartupStep::Wait),
+            backend::Message::AuthenticationCleartextPassword => {
+                let pw = self.password.ok_or_else(need_password)?;
+                password_step(pw, out)
+            }
+            backend::Message::AuthenticationMd5Password(body) => {
+                let pw = self.password.ok_or_else(need_password)?;
+                let hash = postgres_protocol::authentication::md5_hash(
+                    self.user.as_bytes(),
+                    pw,
+                    body.salt(),
+                );
+                password_step(hash.as_bytes(), out)
+            }
+            backend::Message::AuthenticationSasl(body) => {
+                use fallible_iterator::FallibleIterator;
+                let pw = self.password.ok_or_else(need_password)?;
+                let mut mechanisms = body.mechanisms();
+                let mut has_scram = false;
+                while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
+                    context: CTX,
+                    detail: format!("bad SASL mechanism list: {e}"),
+                })? {
+                    has_scram |= m == SCRAM_SHA_256;
+                }
+                if !has_scram {
+                    return Err(Error::UnsupportedAuth {
+                        method: "SASL without SCRAM-SHA-256".into(),
+                    });
+                }
+                // Channel binding needs TLS, which we do not speak yet.
+                let s = ScramSha256::new(pw, ChannelBinding::unsupported());
+                frontend::sasl_initial_response(SCRAM_SHA_256, s.message(), out).map_err(
+                    |source| Error::Io {
+                        context: CTX,
+                        source,
+                    },
+                )?;
+                self.scram = Some(s);
+                Ok(StartupStep::Send { context: CTX })
+            }
+            backend::Message::AuthenticationSaslContinue(body) => {
+                let s = self.scram.as_mut().ok_or_else(|| Error::Protocol {
+                    context: CTX,
+                    detail: "SASLContinue before SASL".into(),
+                })?;
+                s.update(body.data()).map_err(Error::Scram)?;
+                frontend::sasl_response(s.message(), out).map_err(|source| Error::Io {
+                    context: CTX,
+                    source,
+                })?;
+                Ok(StartupStep::Send { context: CTX })
+            }
+            backend::Message::AuthenticationSaslFinal(body) => {
+                let s = self.scram.as_mut().ok_or_else(|| Error::Protocol {
+                    context: CTX,
+                    detail: "SASLFinal before SASL".into(),
+                })?;
+                s.finish(body.data()).map_err(Error::Scram)?;
+                Ok(StartupStep::Wait)
+            }
+            backend::Message::AuthenticationKerberosV5 => Err(Error::UnsupportedAuth {
+                method: "Kerberos V5".into(),
+            }),
+            backend::Message::AuthenticationScmCredential => Err(Error::UnsupportedAuth {
+                method: "SCM credential".into(),
+            }),
+            backend::Message::AuthenticationGss | backend::Message::AuthenticationSspi => {
+                Err(Error::UnsupportedAuth {
+                    method: "GSSAPI/SSPI".into(),
+                })
+            }
+            backend::Message::ParameterStatus(_)
+            | backend::Message::BackendKeyData(_)
+            | backend::Message::NoticeResponse(_) => Ok(StartupStep::Wait),
+            backend::Message::ReadyForQuery(_) => Ok(StartupStep::Ready),
+            backend::Message::ErrorResponse(body) => Err(Error::Server {
+                context: "the connection",
+                error: Box::new(ServerError::from_body(&body)),
+            }),
+            _ => Err(Error::Protocol {
+                context: CTX,
+                detail: "unexpected message during startup".into(),
+            }),
+        }
+    }
+}
+
+/// Appends a PasswordMessage carrying `pw` (cleartext or an MD5 hash) to `out`.
+fn password_step(pw: &[u8], out: &mut BytesMut) -> Result<StartupStep, Error> {
+    const CTX: &str = "sending the password";
+    frontend::password_message(pw, out).map_err(|source| Error::Io {
+        context: CTX,
+        source,
+    })?;
+    Ok(StartupStep::Send { context: CTX })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend message: tag, Int32 length counting itself, body.
+    fn be(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut m = vec![tag];
+        m.extend_from_slice(&i32::try_from(body.len() + 4).unwrap().to_be_bytes());
+        m.extend_from_slice(body);
+        m
+    }
+
+    /// An authentication request (`R`) with its Int32 code.
+    fn auth(code: i32, rest: &[u8]) -> Vec<u8> {
+        let mut body = code.to_be_bytes().to_vec();
+        body.extend_from_slice(rest);
+        be(b'R', &body)
+    }
+
+    fn ready() -> Vec<u8> {
+        be(b'Z', b"I")
+    }
+
+    /// Feeds every message of `server` through the parser and `Startup::step` as `connect`
+    /// does; returns each step with what it asked to send, or the first error.
+    fn run(password: Option<&[u8]>, server: &[u8]) -> Result<Vec<(StartupStep, Vec<u8>)>, Error> {
+        let mut startup = Startup::new("alice", password);
+        let mut buf = BytesMut::from(server);
+        let mut steps = Vec::new();
+        while !buf.is_empty() {
+            let frame = parse_backend_message(&mut buf, "testing")?
+                .expect("the test feeds complete messages");
+            let BackendFrame::Message(msg) = frame else {
+                panic!("CopyBothResponse during start-up");
+            };
+            let mut out = BytesMut::new();
+            let step = startup.step(msg, &mut out)?;
+            steps.push((step, out.to_vec()));
+        }
+        Ok(steps)
+    }
+
+    #[test]
+    fn trust_waits_through_parameters_and_ends_at_ready_for_query() {
+        let mut server = auth(0, b"");
+        server.extend(be(b'S', b"server_version\x0015.18\0"));
+        server.extend(be(b'K', &[0, 0, 0, 1, 0, 0, 0, 2]));
+        server.extend(be(b'N', b"SNOTICE\0Mhi\0\0"));
+        server.extend(ready());
+        let steps = run(None, &server).expect("trust");
+        let kinds: Vec<_> = steps.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            kinds,
+            [
+                StartupStep::Wait,
+                StartupStep::Wait,
+                StartupStep::Wait,
+                StartupStep::Wait,
+                StartupStep::Ready
+            ]
+        );
+        assert!(steps.iter().all(|(_, out)| out.is_empty()));
+    }
+
+    #[test]
+    fn cleartext_and_md5_send_one_password_message() {
+        let password = StartupStep::Send {
+            context: "sending the password",
+        };
+        let mut server = auth(3, b"");
+        server.extend(auth(0, b""));
+        server.extend(ready());
+        let steps = run(Some(b"pw"), &server).expect("cleartext");
+        assert_eq!(steps[0], (password, b"p\0\0\0\x07pw\0".to_vec()));
+        assert_eq!(steps[2].0, StartupStep::Ready);
+
+        let steps = run(Some(b"pw"), &auth(5, &[1, 2, 3, 4])).expect("md5");
+        let hash = postgres_protocol::authentication::md5_hash(b"alice", b"pw", [1, 2, 3, 4]);
+        let (step, out) = &steps[0];
+        assert_eq!(*step, password);
+        assert_eq!(out.first(), Some(&b'p'));
+        assert_eq!(&out[5..out.len() - 1], hash.as_bytes());
+    }
+
+    #[test]
+    fn sasl_sends_a_scram_first_message_and_refuses_what_it_cannot_speak() {
+        let steps = run(
+            Some(b"pw"),
+            &auth(10, b"SCRAM-SHA-256-PLUS\0SCRAM-SHA-256\0\0"),
+        )
+        .expect("scram offered");
+        let (step, out) = &steps[0];
+        assert_eq!(
+            *step,
+            StartupStep::Send {
+                context: "authenticating"
+            }
+        );
+        assert_eq!(out.first(), Some(&b'p'));
+        assert!(out.windows(13).any(|w| w == b"SCRAM-SHA-256"));
+
+        let e = run(Some(b"pw"), &auth(10, b"OTHER\0\0")).expect_err("no scram");
+        assert!(matches!(e, Error::UnsupportedAuth { .. }), "{e:?}");
+        let e = run(Some(b"pw"), &auth(11, b"r=abc")).expect_err("continue first");
+        assert!(e.to_string().contains("SASLContinue before SASL"), "{e}");
+        let e = run(Some(b"pw"), &auth(7, b"")).expect_err("gss");
+        assert!(e.to_string().contains("GSSAPI/SSPI"), "{e}");
+    }
+
+    #[test]
+    fn a_password_request_without_a_password_names_the_user() {
+        for request in [
+            auth(3, b""),
+            auth(5, &[0; 4]),
+            auth(10, b"SCRAM-SHA-256\0\0"),
+        ] {
+            let e = run(None, &request).expect_err("no password");
+            assert!(
+                matches!(&e, Error::PasswordMissing { user } if user == "alice"),
+                "{e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_error_response_is_a_server_error_with_its_sqlstate() {
+        let mut server = auth(3, b"");
+        server.extend(be(
+            b'E',
+            b"SFATAL\0VFATAL\0C28P01\0Mpassword authentication failed\0\0",
+        ));
+        let e = run(Some(b"pw"), &server).expect_err("refused");
+        assert_eq!(e.code(), Some(SQLSTATE_28P01));
+        assert!(
+            e.to_string().contains("password authentication failed"),
+            "{e}"
+        );
+    }
+
+    const SQLSTATE_28P01: &str = crate::replication::error::SQLSTATE_INVALID_PASSWORD;
+
+    #[test]
+    fn a_message_that_does_not_belong_in_start_up_is_a_protocol_violation() {
+        let e = run(None, &be(b'D', &[0, 0])).expect_err("data row");
+        assert!(
+            e.to_string().contains("unexpected message during startup"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_parser_splits_copy_both_and_waits_for_incomplete_messages() {
+        let mut buf = BytesMut::from(&be(b'W', &[0, 0, 0])[..]);
+        buf.extend_from_slice(&ready());
+        let f = parse_backend_message(&mut buf, "testing").unwrap();
+        assert!(matches!(f, Some(BackendFrame::CopyBothResponse)), "{f:?}");
+        assert_eq!(buf.as_ref(), ready().as_slice(), "only the W was consumed");
+
+        let whole = ready();
+        for cut in 0..whole.len() {
+            let mut buf = BytesMut::from(&whole[..cut]);
+            let f = parse_backend_message(&mut buf, "testing").unwrap();
+            assert!(f.is_none(), "cut at {cut}");
+            assert_eq!(buf.len(), cut, "an incomplete message is not consumed");
+        }
+        let mut buf = BytesMut::from(&[b'W', 0xff, 0xff, 0xff, 0xff][..]);
+        let e = parse_backend_message(&mut buf, "testing").expect_err("negative length");
+        assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+    }
+
+    /// Found by the `startup` fuzz target: a header declaring 4 GiB made the parser reserve
+    /// 4 GiB before a single byte of the body arrived (libFuzzer: out-of-memory
+    /// (malloc(4294967296))). Anything that is not a PostgreSQL server can send this.
+    #[test]
+    fn a_huge_declared_length_is_refused_before_any_allocation() {
+        for tag in [8, b'R', b'E', b'D', b'W'] {
+            let mut buf = BytesMut::from(&[tag, 0xff, 0xff, 0xff, 0xff][..]);
+            let r = parse_backend_message(&mut buf, "testing");
+            assert!(
+                buf.capacity() < 1 << 24,
+                "tag {tag}: reserved {} bytes for a declared 4 GiB message",
+                buf.capacity()
+            );
+            let e = r.expect_err("a 4 GiB message before COPY BOTH");
+            assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+            assert!(e.to_string().contains("declares 4294967295 bytes"), "{e}");
+        }
+        // A notice exactly at the bound still parses.
+        let mut body = b"SNOTICE\0M".to_vec();
+        body.resize(MAX_MESSAGE_BEFORE_COPY - 4 - 2, b'a');
+        body.extend_from_slice(b"\0\0");
+        let mut buf = BytesMut::from(&be(b'N', &body)[..]);
+        let f = parse_backend_message(&mut buf, "testing").expect("at the bound");
+        assert!(matches!(f, Some(BackendFrame::Message(_))), "{f:?}");
+        assert!(buf.is_empty());
     }
 }

@@ -99,6 +99,15 @@ pub enum Error {
         /// What we were doing.
         context: &'static str,
     },
+    /// The connection handshake (TCP connect, startup, authentication, up to the first
+    /// ReadyForQuery) did not finish within the connect timeout. Reconnecting may succeed.
+    #[error("connecting to {target} for replication timed out after {timeout_s} s (connect_timeout): the server did not finish the connection handshake; check that PostgreSQL is running and answering at that host and port, or raise connect_timeout in --database-url (for example ?connect_timeout=30)")]
+    ConnectTimeout {
+        /// `PostgreSQL user@host:port/dbname` (no password).
+        target: String,
+        /// The timeout applied, in seconds.
+        timeout_s: u64,
+    },
     /// The server answered with an `ErrorResponse`.
     #[error("the server refused {context}: {error}")]
     Server {
@@ -165,7 +174,10 @@ impl Error {
     pub fn is_connection_loss(&self) -> bool {
         matches!(
             self,
-            Error::Io { .. } | Error::Closed { .. } | Error::StreamEnded { .. }
+            Error::Io { .. }
+                | Error::Closed { .. }
+                | Error::StreamEnded { .. }
+                | Error::ConnectTimeout { .. }
         )
     }
 }

@@ -14,6 +14,13 @@ use crate::replication::connect::{Socket, READ_CHUNK};
 use crate::replication::error::{Error, ServerError};
 use crate::replication::stream::{parse_copy_data, ReplicationMessage, StandbyStatusUpdate};
 
+/// The largest length field of a server message in CopyBoth mode, in bytes.
+///
+/// PostgreSQL builds each message it sends (the walsender's XLogData included, header and
+/// all) in one `StringInfo`, which it keeps below `MaxAllocSize` (1 GiB − 1); the length
+/// field adds its own 4 bytes.
+pub const MAX_FRAME_LEN: usize = (1 << 30) + 4;
+
 /// An open CopyBoth replication stream.
 pub struct ReplicationStream {
     socket: Box<dyn Socket>,
@@ -108,42 +115,7 @@ impl ReplicationStream {
     /// [`Error::Server`], [`Error::Closed`], [`Error::StreamEnded`], [`Error::Protocol`] for an unexpected or
     /// malformed frame, [`Error::Frame`] for a malformed CopyData payload.
     pub fn next_buffered(&mut self) -> Result<Option<ReplicationMessage>, Error> {
-        const CTX: &str = "reading the replication stream";
-        loop {
-            let tag = self.read_buf.first().copied();
-            let msg = backend::Message::parse(&mut self.read_buf).map_err(|e| Error::Protocol {
-                context: CTX,
-                detail: e.to_string(),
-            })?;
-            match msg {
-                None => return Ok(None),
-                Some(backend::Message::CopyData(body)) => {
-                    return Ok(Some(parse_copy_data(body.into_bytes())?));
-                }
-                Some(backend::Message::ErrorResponse(body)) => {
-                    return Err(Error::Server {
-                        context: CTX,
-                        error: Box::new(ServerError::from_body(&body)),
-                    })
-                }
-                Some(backend::Message::CopyDone) => return Err(Error::Closed { context: CTX }),
-                Some(backend::Message::CommandComplete(_))
-                | Some(backend::Message::ReadyForQuery(_)) => {
-                    return Err(Error::StreamEnded { context: CTX })
-                }
-                Some(backend::Message::NoticeResponse(_))
-                | Some(backend::Message::ParameterStatus(_)) => continue,
-                Some(_) => {
-                    return Err(Error::Protocol {
-                        context: CTX,
-                        detail: format!(
-                            "unexpected message {:?} in CopyBoth mode",
-                            tag.map(char::from).unwrap_or('?')
-                        ),
-                    })
-                }
-            }
-        }
+        parse_stream_frame(&mut self.read_buf)
     }
 
     /// Sends one standby status update (a CopyData `r` frame).
@@ -180,6 +152,71 @@ impl ReplicationStream {
     }
 }
 
+/// Splits the next complete frame of a CopyBoth stream off the front of `read_buf` and
+/// parses it, without I/O: what [`ReplicationStream::next_buffered`] does with its buffer.
+///
+/// Returns `Ok(None)` when more bytes are needed (notices before that are consumed).
+/// CopyDone ends the stream with [`Error::Closed`], CommandComplete or ReadyForQuery with
+/// [`Error::StreamEnded`]; an ErrorResponse becomes [`Error::Server`].
+///
+/// # Errors
+/// [`Error::Server`], [`Error::Closed`], [`Error::StreamEnded`], [`Error::Protocol`] for an
+/// unexpected or malformed frame or one declaring more than [`MAX_FRAME_LEN`] bytes,
+/// [`Error::Frame`] for a malformed CopyData payload.
+pub fn parse_stream_frame(read_buf: &mut BytesMut) -> Result<Option<ReplicationMessage>, Error> {
+    const CTX: &str = "reading the replication stream";
+    loop {
+        let tag = read_buf.first().copied();
+        // postgres-protocol reserves the declared length before the body arrives: bound it
+        // first, so a corrupt or hostile header cannot become a 4 GiB allocation.
+        if let Some(header) = read_buf.get(..5) {
+            let declared = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+            if usize::try_from(declared).map_or(true, |l| l > MAX_FRAME_LEN) {
+                return Err(Error::Protocol {
+                    context: CTX,
+                    detail: format!(
+                        "server message {:?} declares {declared} bytes, more than the \
+                         {MAX_FRAME_LEN} PostgreSQL can send",
+                        char::from(header[0])
+                    ),
+                });
+            }
+        }
+        let msg = backend::Message::parse(read_buf).map_err(|e| Error::Protocol {
+            context: CTX,
+            detail: e.to_string(),
+        })?;
+        match msg {
+            None => return Ok(None),
+            Some(backend::Message::CopyData(body)) => {
+                return Ok(Some(parse_copy_data(body.into_bytes())?));
+            }
+            Some(backend::Message::ErrorResponse(body)) => {
+                return Err(Error::Server {
+                    context: CTX,
+                    error: Box::new(ServerError::from_body(&body)),
+                })
+            }
+            Some(backend::Message::CopyDone) => return Err(Error::Closed { context: CTX }),
+            Some(backend::Message::CommandComplete(_))
+            | Some(backend::Message::ReadyForQuery(_)) => {
+                return Err(Error::StreamEnded { context: CTX })
+            }
+            Some(backend::Message::NoticeResponse(_))
+            | Some(backend::Message::ParameterStatus(_)) => continue,
+            Some(_) => {
+                return Err(Error::Protocol {
+                    context: CTX,
+                    detail: format!(
+                        "unexpected message {:?} in CopyBoth mode",
+                        tag.map(char::from).unwrap_or('?')
+                    ),
+                })
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,6 +244,32 @@ mod tests {
         assert!(matches!(e, Error::StreamEnded { .. }), "{e:?}");
         assert!(e.is_connection_loss(), "reconnecting is right");
         assert!(e.to_string().contains("shutting down or restarting"), "{e}");
+    }
+
+    /// The same kind of bug the `startup` fuzz target found in start-up: postgres-protocol
+    /// reserves the whole declared length of a frame before its body arrives, so a header
+    /// declaring 4 GiB was a 4 GiB allocation.
+    #[tokio::test]
+    async fn a_declared_frame_length_is_neither_reserved_up_front_nor_unbounded() {
+        let (mut s, _peer) = stream_with(&[b'd', 0xff, 0xff, 0xff, 0xff]);
+        let r = s.next_buffered();
+        assert!(
+            s.read_buf.capacity() < 1 << 24,
+            "reserved {} bytes for a frame declaring 4 GiB",
+            s.read_buf.capacity()
+        );
+        let e = r.expect_err("a CopyData longer than PostgreSQL can build");
+        assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+        assert!(e.to_string().contains("declares 4294967295 bytes"), "{e}");
+
+        // Just over what PostgreSQL can send is refused; the largest it can send is awaited.
+        let over = u32::try_from(MAX_FRAME_LEN + 1).unwrap().to_be_bytes();
+        let (mut s, _peer) = stream_with(&[b'd', over[0], over[1], over[2], over[3], b'w']);
+        assert!(matches!(s.next_buffered(), Err(Error::Protocol { .. })));
+        let max = u32::try_from(MAX_FRAME_LEN).unwrap().to_be_bytes();
+        let (mut s, _peer) = stream_with(&[b'd', max[0], max[1], max[2], max[3], b'w']);
+        assert!(s.next_buffered().expect("incomplete").is_none());
+        assert_eq!(s.buffered_bytes(), 6, "nothing consumed");
     }
 
     #[tokio::test]

@@ -184,24 +184,67 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
     }
     let queue_len = || support::queue_len(&ob.amqp_url, &ob.queue);
     let mut injected: BTreeMap<Fault, usize> = BTreeMap::new();
+    // Faults whose effect was seen: a new session (a reconnect, or the new process after a
+    // kill) and the slot moving past where the WAL was at the fault.
+    let mut recovered: BTreeMap<Fault, usize> = BTreeMap::new();
+    // Messages taken from the queue during the run (at each kill), in queue order.
+    let mut consumed: Vec<support::Received> = Vec::new();
+    // Per kill: where `consumed` stood, and the ids delivered before it that the slot had
+    // not passed (they must be delivered again after it).
+    let mut kills: Vec<(usize, HashSet<String>)> = Vec::new();
+    let sessions = |s: &Streamer| s.log_count(": streaming slot=");
     for (round, fault) in schedule.iter().enumerate() {
-        // Let traffic flow, then inject.
-        let before = queue_len().await;
-        let flowing = support::wait_until(scaled(Duration::from_secs(60)), || async {
-            queue_len().await >= before + 100
-        })
-        .await;
-        assert!(
-            flowing,
-            "round {round}: no progress before the fault (seed {seed})\n{logs}{}",
-            streamer.log()
-        );
+        // Let traffic flow, then inject. After round 0 the previous round's recovery check
+        // (a new session, the slot moving past the fault) has shown it flowing already.
+        if round == 0 {
+            let before = queue_len().await;
+            let flowing = support::wait_until(scaled(Duration::from_secs(60)), || async {
+                queue_len().await >= before + 100
+            })
+            .await;
+            assert!(
+                flowing,
+                "round {round}: no progress before the fault (seed {seed})\n{logs}{}",
+                streamer.log()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200 + rng.below(800))).await;
         eprintln!("chaos: round {round}: {fault:?}");
+        let reconnects_before = streamer.log_count("session failed; reconnecting");
+        let sessions_before = sessions(&streamer);
         match fault {
             Fault::KillStreamer => {
+                // Land the kill with broker-confirmed messages the slot has not passed:
+                // freeze the streamer, read the slot, take the queue; if nothing in it lies
+                // past the slot (a status update just went out), let it run and try again.
+                let mut attempts = 0;
+                let must_repeat = loop {
+                    attempts += 1;
+                    streamer.signal("STOP");
+                    let at = ob.confirmed_flush();
+                    consumed.extend(ob.drain(0, Duration::from_millis(300)).await);
+                    let past: HashSet<String> = consumed
+                        .iter()
+                        .filter(|m| support::lsn(&m.headers["x-pgoutbox-lsn"]) >= at)
+                        .filter_map(|m| m.message_id.clone())
+                        .collect();
+                    if !past.is_empty() || attempts >= 20 {
+                        break past;
+                    }
+                    streamer.signal("CONT");
+                    tokio::time::sleep(Duration::from_millis(30 + rng.below(100))).await;
+                };
                 streamer.kill9();
                 streamer.wait_exit(Duration::from_secs(10)).await;
+                assert!(
+                    !must_repeat.is_empty(),
+                    "round {round}: the kill never landed with unacknowledged messages in the queue ({attempts} attempts, seed {seed})"
+                );
+                eprintln!(
+                    "chaos: round {round}: killed with {} delivered messages past the slot",
+                    must_repeat.len()
+                );
+                kills.push((consumed.len(), must_repeat));
                 logs.push_str(&streamer.log());
                 streamer = spawn();
             }
@@ -223,6 +266,36 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
             "round {round}: streamer exited (seed {seed}):\n{}",
             streamer.log()
         );
+        // What the fault did: the session ended and a new one started (a kill starts a new
+        // process, whose first session counts), then the slot moved past the WAL written
+        // before the fault.
+        let (reconnects_before, sessions_before) = match fault {
+            Fault::KillStreamer => (0, 0),
+            _ => (reconnects_before, sessions_before),
+        };
+        let new_session = support::wait_until(scaled(Duration::from_secs(60)), || async {
+            sessions(&streamer) > sessions_before
+                && (*fault == Fault::KillStreamer
+                    || streamer.log_count("session failed; reconnecting") > reconnects_before)
+        })
+        .await;
+        assert!(
+            new_session,
+            "round {round}: {fault:?} was not followed by a reconnect (seed {seed}):\n{}",
+            streamer.log()
+        );
+        let mark = support::lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+        let moved = support::wait_until(scaled(Duration::from_secs(60)), || async {
+            ob.confirmed_flush() > mark
+        })
+        .await;
+        assert!(
+            moved,
+            "round {round}: the slot did not move again after {fault:?}: confirmed_flush {:#x}, WAL at the fault {mark:#x} (seed {seed})\n{}",
+            ob.confirmed_flush(),
+            streamer.log()
+        );
+        *recovered.entry(*fault).or_default() += 1;
     }
     stop.store(true, Ordering::SeqCst);
     for p in producers {
@@ -256,8 +329,34 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
             .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
             .collect()
     };
-    let got = ob.drain(audit.len(), scaled(Duration::from_secs(60))).await;
+    let taken: HashSet<String> = consumed
+        .iter()
+        .filter_map(|m| m.message_id.clone())
+        .collect();
+    let remaining = audit.keys().filter(|id| !taken.contains(*id)).count();
+    let mut got = consumed;
+    got.extend(ob.drain(remaining, scaled(Duration::from_secs(60))).await);
     logs.push_str(&streamer.log());
+    // Each kill's unacknowledged deliveries came again after it.
+    let mut redelivered_after_kills = 0;
+    for (k, (from, must_repeat)) in kills.iter().enumerate() {
+        let later: HashSet<&String> = got[*from..]
+            .iter()
+            .filter_map(|m| m.message_id.as_ref())
+            .collect();
+        let missing: Vec<&String> = must_repeat
+            .iter()
+            .filter(|id| !later.contains(id))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "kill {k}: {} of {} unacknowledged messages were not sent again, e.g. {:?} (seed {seed})",
+            missing.len(),
+            must_repeat.len(),
+            &missing[..missing.len().min(10)]
+        );
+        redelivered_after_kills += must_repeat.len();
+    }
     let delivered: HashSet<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
     let lost: Vec<&String> = audit.keys().filter(|id| !delivered.contains(*id)).collect();
     let invented: Vec<&String> = delivered
@@ -317,5 +416,23 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
         rollbacks > 0 && savepoints > 0,
         "rollbacks and savepoint rollbacks were exercised"
     );
-    assert_eq!(injected.len(), 5, "every fault kind ran");
+    for fault in ALL_FAULTS {
+        assert!(
+            recovered.get(&fault).copied().unwrap_or(0) >= 1,
+            "{fault:?} was injected and followed by a reconnect and the slot moving (seed {seed}): {recovered:?}"
+        );
+    }
+    assert_eq!(
+        recovered, injected,
+        "every injected fault was seen to act (seed {seed})"
+    );
+    assert!(
+        !kills.is_empty() && redelivered_after_kills > 0 && duplicates > 0,
+        "the kills caused redeliveries: {redelivered_after_kills} after {} kills, {duplicates} duplicates (seed {seed})",
+        kills.len()
+    );
+    eprintln!(
+        "chaos: {} kills redelivered {redelivered_after_kills} messages delivered before them",
+        kills.len()
+    );
 }

@@ -4,6 +4,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use lapin::types::AMQPValue;
+
+use crate::support::amqp::HeaderKind;
 use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq};
 
 /// Emits `txns` transactions of `per_txn` messages with ids `m-<seq>`; every 10th message
@@ -56,7 +59,25 @@ async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
     let streamer = ob.run(&[]);
     let got = ob.drain(10_000, scaled(Duration::from_secs(60))).await;
     assert_eq!(got.len(), 10_000, "each message exactly once");
+    let mut lsns = std::collections::HashSet::new();
+    let mut prev: Option<(u64, u64)> = None;
     for (i, m) in got.iter().enumerate() {
+        // Header types: ours are X/Y text and an integer; the producer's `seq` (a JSON
+        // integer) stays an integer.
+        assert_eq!(m.header_kind("x-pgoutbox-lsn"), Some(HeaderKind::Text));
+        assert_eq!(
+            m.header_kind("x-pgoutbox-commit-lsn"),
+            Some(HeaderKind::Text)
+        );
+        assert_eq!(
+            m.header_kind("x-pgoutbox-commit-time-us"),
+            Some(HeaderKind::Int(64))
+        );
+        assert_eq!(
+            m.header_values.get("seq"),
+            Some(&AMQPValue::LongLongInt(i as i64 + 1)),
+            "the producer's integer header arrives as an integer"
+        );
         let id = m.message_id.as_deref().expect("message_id");
         let seq = seq_of(id);
         assert_eq!(seq, i as i64 + 1, "commit order");
@@ -80,6 +101,24 @@ async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
             msg_lsn <= commit_lsn,
             "message LSN (end of its record) is at or before its commit"
         );
+        assert!(lsns.insert(msg_lsn), "x-pgoutbox-lsn {msg_lsn:X} is unique");
+        // 100 messages per transaction: the commit LSN is shared inside one and increases
+        // from one transaction to the next; the message LSN increases with emit order.
+        if let Some((prev_lsn, prev_commit)) = prev {
+            assert!(msg_lsn > prev_lsn, "message LSNs increase in emit order");
+            if (seq - 1) % 100 == 0 {
+                assert!(
+                    commit_lsn > prev_commit,
+                    "m-{seq} opens a later transaction: commit LSN {commit_lsn:X} after {prev_commit:X}"
+                );
+            } else {
+                assert_eq!(
+                    commit_lsn, prev_commit,
+                    "m-{seq} shares its transaction's commit LSN"
+                );
+            }
+        }
+        prev = Some((msg_lsn, commit_lsn));
         let ts = m.timestamp.expect("timestamp (s)");
         let us: u64 = m.headers["x-pgoutbox-commit-time-us"].parse().unwrap();
         assert_eq!(
@@ -105,6 +144,48 @@ async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
         "SIGTERM exits 0:\n{}",
         streamer.log()
     );
+}
+
+/// Producer headers keep their JSON types on the wire (docs/envelope.md, README "What consumers
+/// receive"): strings, integers, doubles, booleans, void, nested values as JSON text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_headers_keep_their_types() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_header_types").await;
+    let streamer = ob.run(&[]);
+    ob.sql(
+        r#"SELECT outbox.emit('h', '{}', '{"s": "42", "i": 42, "neg": -7, "f": 1.5, "b": true, "n": null, "o": {"a": 1}, "arr": [1, "x"]}', 'typed')"#,
+    );
+    let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(got.len(), 1, "{}", streamer.log());
+    let h = &got[0].header_values;
+    assert_eq!(
+        h.get("s"),
+        Some(&AMQPValue::LongString("42".into())),
+        "{h:?}"
+    );
+    assert_eq!(h.get("i"), Some(&AMQPValue::LongLongInt(42)), "{h:?}");
+    assert_eq!(h.get("neg"), Some(&AMQPValue::LongLongInt(-7)), "{h:?}");
+    assert_eq!(h.get("f"), Some(&AMQPValue::Double(1.5)), "{h:?}");
+    assert_eq!(h.get("b"), Some(&AMQPValue::Boolean(true)), "{h:?}");
+    assert_eq!(h.get("n"), Some(&AMQPValue::Void), "{h:?}");
+    assert_eq!(got[0].header_kind("o"), Some(HeaderKind::Text), "{h:?}");
+    let o: serde_json::Value = serde_json::from_str(&got[0].headers["o"]).unwrap();
+    assert_eq!(o, serde_json::json!({"a": 1}));
+    assert_eq!(got[0].header_kind("arr"), Some(HeaderKind::Text), "{h:?}");
+    let arr: serde_json::Value = serde_json::from_str(&got[0].headers["arr"]).unwrap();
+    assert_eq!(arr, serde_json::json!([1, "x"]));
+    // Ours, beside them.
+    assert_eq!(got[0].header_kind("x-pgoutbox-lsn"), Some(HeaderKind::Text));
+    assert_eq!(
+        got[0].header_kind("x-pgoutbox-commit-lsn"),
+        Some(HeaderKind::Text)
+    );
+    assert_eq!(
+        got[0].header_kind("x-pgoutbox-commit-time-us"),
+        Some(HeaderKind::Int(64))
+    );
+    assert_eq!(h.len(), 8 + 3, "nothing else added: {h:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

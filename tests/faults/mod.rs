@@ -180,7 +180,7 @@ async fn postgres_restart_and_cut_connections_are_survived() {
         async move {
             assert!(
                 support::wait_until(scaled(Duration::from_secs(60)), || async {
-                    streamer.log_count("pgoutbox::pipeline: streaming") >= n
+                    streamer.log_count(": streaming slot=") >= n
                 })
                 .await,
                 "session {n} started:\n{}",
@@ -311,14 +311,32 @@ async fn drill_crash_after_commit_before_the_streamer_saw_it() {
 async fn drill_crash_after_broker_confirm_before_status_update() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "drill_confirm").await;
-    // One message per transaction, so a status update could acknowledge each one.
-    ob.sql("DO $$ BEGIN FOR n IN 1..3000 LOOP PERFORM outbox.emit('d', jsonb_build_object('n', n), '{}', 'd-' || n); COMMIT; END LOOP; END $$");
+    let start = ob.confirmed_flush();
+    // One message per transaction, so a status update could acknowledge each one. The
+    // first 1,000 are acknowledged before the rest is written, so the slot has provably
+    // moved before the abort (a backlog drains faster than one status update interval).
+    let emit = |from: i64, to: i64| {
+        ob.sql(&format!("DO $$ BEGIN FOR n IN {from}..{to} LOOP PERFORM outbox.emit('d', jsonb_build_object('n', n), '{{}}', 'd-' || n); COMMIT; END LOOP; END $$"));
+    };
+    emit(1, 999);
+    let last_of_first_batch =
+        lsn(&ob.sql("SELECT outbox.emit('d', jsonb_build_object('n', 1000), '{}', 'd-1000')"));
     let crashing = ob.run(&[
         "--failpoint",
-        "abort-after-confirms=1000",
+        "abort-after-confirms=2000",
         "--max-in-flight",
         "200",
     ]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > last_of_first_batch
+        })
+        .await,
+        "the first 1,000 are acknowledged: confirmed_flush_lsn {:X}, the 1,000th at {last_of_first_batch:X}\n{}",
+        ob.confirmed_flush(),
+        crashing.log()
+    );
+    emit(1001, 3000);
     let status = crashing.wait_exit(scaled(Duration::from_secs(30))).await;
     assert!(
         status.is_some_and(|s| !s.success()),
@@ -333,6 +351,10 @@ async fn drill_crash_after_broker_confirm_before_status_update() {
         .map(|s| lsn(s.split_whitespace().next().unwrap()))
         .expect("failpoint line");
     let flushed = ob.confirmed_flush();
+    assert!(
+        flushed > start,
+        "the slot advanced over the confirmed transactions before the abort: confirmed_flush_lsn {flushed:X}, at the start {start:X}\n{crash_log}"
+    );
     let again = ob.run(&[]);
     let got = ob.drain(3000, scaled(Duration::from_secs(40))).await;
     let mut copies: HashMap<String, Vec<&Received>> = HashMap::new();
@@ -373,7 +395,11 @@ async fn drill_crash_after_broker_confirm_before_status_update() {
         }
     }
     let dups = got.len() - 3000;
-    eprintln!("drill: {dups} duplicates after an abort at the 1000th confirm");
+    eprintln!("drill: slot {start:X} -> {flushed:X}, {dups} duplicates after an abort at the 2000th confirm");
+    assert!(
+        dups > 0,
+        "the abort with messages in flight causes redelivery"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -453,6 +479,7 @@ async fn case_c2_broker_connections_closed_then_crash() {
     let pg = Postgres::shared();
     let rmq = RabbitMq::start_private();
     let ob = Outbox::new(pg, &rmq.url(), "case_c2").await;
+    let start = ob.confirmed_flush();
     let streamer = ob.run(&["--max-in-flight", "100"]);
     // 3,000 messages, one per transaction, at about 400/s, recording each message's LSN
     // (for a one-message transaction: where its commit record starts).
@@ -483,12 +510,82 @@ async fn case_c2_broker_connections_closed_then_crash() {
         .await
     );
     rmq.close_all_connections();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The streamer reconnects and publishes again before it is killed.
+    assert!(
+        streamer
+            .wait_for_log(
+                "session failed; reconnecting",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "the closed connection is noticed:\n{}",
+        streamer.log()
+    );
+    let resumed_from = support::queue_len(&ob.amqp_url, &ob.queue).await;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            support::queue_len(&ob.amqp_url, &ob.queue).await >= resumed_from + 100
+        })
+        .await,
+        "publishing resumed after the reconnect:\n{}",
+        streamer.log()
+    );
+    // The new session acknowledges what it publishes (a session start alone may move the
+    // slot to where the last one left it).
+    let resumed_slot = ob.confirmed_flush();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() > resumed_slot
+        })
+        .await,
+        "the slot advances in the session after the reconnect: stuck at {resumed_slot:X}\n{}",
+        streamer.log()
+    );
+    // Land the kill with messages confirmed by the broker but not yet acknowledged to
+    // Postgres: freeze the streamer, read the slot, take what is in the queue; if nothing
+    // in it lies past the slot (a status update just went out), let it run a little and
+    // try again.
+    let mut delivered: Vec<Received> = Vec::new();
+    let mut attempts = 0;
+    let at_crash = loop {
+        attempts += 1;
+        streamer.signal("STOP");
+        let at = ob.confirmed_flush();
+        delivered.extend(ob.drain(0, Duration::from_millis(300)).await);
+        let unacknowledged = delivered
+            .iter()
+            .filter(|m| lsn(&m.headers["x-pgoutbox-lsn"]) >= at)
+            .count();
+        if unacknowledged > 0 || attempts >= 20 {
+            break at;
+        }
+        streamer.signal("CONT");
+        tokio::time::sleep(Duration::from_millis(30 + 17 * attempts)).await;
+    };
     streamer.kill9();
     streamer.wait_exit(Duration::from_secs(10)).await;
-    let at_crash = ob.confirmed_flush();
+    assert_eq!(
+        ob.confirmed_flush(),
+        at_crash,
+        "a frozen streamer acknowledges nothing"
+    );
+    assert!(
+        at_crash > start,
+        "the slot advanced before the crash: confirmed_flush_lsn {at_crash:X}, at the start {start:X}"
+    );
     let lsns = producer.await.unwrap();
-    let before = ids(&ob.drain(1, scaled(Duration::from_secs(5))).await);
+    delivered.extend(ob.drain(1, scaled(Duration::from_secs(5))).await);
+    let before = ids(&delivered);
+    // Delivered before the kill but past the acknowledged position: sent again after it.
+    let must_repeat: HashSet<String> = delivered
+        .iter()
+        .filter(|m| lsn(&m.headers["x-pgoutbox-lsn"]) >= at_crash)
+        .filter_map(|m| m.message_id.clone())
+        .collect();
+    assert!(
+        !must_repeat.is_empty(),
+        "the kill landed with broker-confirmed messages the slot had not passed ({attempts} attempts)"
+    );
     assert!(before.len() < 3000, "the crash came mid-stream");
     // Every transaction the slot is past was in the queue at the crash.
     for (id, l) in &lsns {
@@ -500,8 +597,25 @@ async fn case_c2_broker_connections_closed_then_crash() {
     let after = ob
         .drain(3000 - before.len(), scaled(Duration::from_secs(30)))
         .await;
+    let after_ids = ids(&after);
+    let duplicates = after_ids.intersection(&before).count();
+    let not_repeated: Vec<&String> = must_repeat.difference(&after_ids).collect();
+    eprintln!(
+        "case C2: slot {start:X} -> {at_crash:X} at the kill ({attempts} attempts), {} delivered before, {} past the slot, {duplicates} duplicates after the restart",
+        before.len(),
+        must_repeat.len()
+    );
+    assert!(
+        not_repeated.is_empty(),
+        "unacknowledged messages were not sent again: {:?}",
+        &not_repeated[..not_repeated.len().min(10)]
+    );
+    assert!(
+        duplicates > 0,
+        "a kill with messages in flight causes redelivery"
+    );
     let mut all = before;
-    all.extend(ids(&after));
+    all.extend(after_ids);
     for n in 1..=3000 {
         assert!(
             all.contains(&format!("c2-{n}")),

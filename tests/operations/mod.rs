@@ -89,7 +89,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
                 "--publication".into(),
                 ob.publication.clone(),
             ],
-            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup` first",
+            "replication slot \"no_such_slot\" does not exist; run `pgoutbox setup --slot no_such_slot` first",
         ),
         (
             vec![
@@ -131,12 +131,24 @@ async fn run_refuses_bad_settings_before_touching_anything() {
     let tls_db = format!("{url}?sslmode=require");
     let out = pgoutbox(&["run", "--database-url", &tls_db, "--amqp-url", &amqp]);
     assert!(
+        !out.status.success() && out.status.code().is_some(),
+        "TLS refused with a non-zero exit: {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(
         stderr(&out).contains("TLS, which is not supported yet"),
         "{}",
         stderr(&out)
     );
     let tls_amqp = amqp.replace("amqp://", "amqps://");
     let out = pgoutbox(&["run", "--database-url", &url, "--amqp-url", &tls_amqp]);
+    assert!(
+        !out.status.success() && out.status.code().is_some(),
+        "TLS refused with a non-zero exit: {:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
     assert!(
         stderr(&out).contains("TLS, which is not supported yet"),
         "{}",
@@ -150,6 +162,13 @@ async fn run_refuses_bad_settings_before_touching_anything() {
 async fn streams_with_scram_md5_cleartext_and_a_unix_socket() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "ops_auth").await;
+    // setup ran as the superuser: the password roles get what `run` writes (as
+    // sql/roles.example.sql grants it), or run refuses up front.
+    ob.sql(
+        "GRANT USAGE ON SCHEMA outbox TO pw_scram, pw_md5, pw_cleartext; \
+         GRANT SELECT, INSERT ON outbox.dead_letter TO pw_scram, pw_md5, pw_cleartext; \
+         GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pw_scram, pw_md5, pw_cleartext;",
+    );
     let socket = format!(
         "host={} port={} user=postgres dbname={}",
         pg.socket_dir().display(),
@@ -643,12 +662,35 @@ async fn poison_and_oversized_messages_are_dead_lettered_raw() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blocked_broker_fills_the_window_without_losing_the_connection() {
+/// Messages of the window tests: 5,000 of about 8 KB each (about 40 MB of WAL).
+const WINDOW_TEST_MESSAGES: i64 = 5_000;
+const WINDOW_TEST_PAD: usize = 8_000;
+
+/// How far the server has sent the slot's stream (`pg_stat_replication.sent_lsn`).
+fn sent_lsn(ob: &Outbox<'_>) -> Option<u64> {
+    ob.sql("SELECT sent_lsn - '0/0'::pg_lsn FROM pg_stat_replication WHERE application_name LIKE 'pgoutbox-%'")
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .map(|v| v as u64)
+}
+
+/// With the broker blocked (memory alarm) and `window_args` bounding the in-flight window,
+/// the streamer stops reading the replication stream once the window is full, keeps the
+/// connection alive with status updates and acknowledges nothing. SIGTERM then times out
+/// (`--shutdown-timeout-s 1`) and the error counts the messages it had published and not
+/// settled: the window, exactly. Once the broker is unblocked a new streamer delivers every
+/// message, first deliveries in order. Returns (messages in flight at the SIGTERM, bytes of
+/// WAL the server had sent past the first message, WAL the messages span, peak RSS in kB).
+/// The sent position is a figure only: the replication socket's buffers (the receive buffer
+/// autotunes up to `tcp_rmem`'s maximum, 32 MB here) can hold most of the load.
+async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u64, u64, u64, u64) {
     let pg = Postgres::start_private(&[("wal_sender_timeout", "3s")]);
     let rmq = RabbitMq::start_private();
-    let ob = Outbox::new(&pg, &rmq.url(), "ops_block").await;
-    let streamer = ob.run(&["--max-in-flight", "200"]);
+    let ob = Outbox::new(&pg, &rmq.url(), name).await;
+    let mut args = vec!["--shutdown-timeout-s", "1"];
+    args.extend_from_slice(window_args);
+    let streamer = ob.run(&args);
     assert!(
         support::wait_until(scaled(Duration::from_secs(20)), || async {
             ob.slot_active()
@@ -657,15 +699,18 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
     );
     rmq.block();
     let first_lsn = lsn(&ob.sql("SELECT outbox.emit('b', '{}', '{}', 'b-0')"));
+    let per_txn = WINDOW_TEST_MESSAGES / 5;
     for t in 0..5 {
         ob.sql(&format!(
-            "DO $$ BEGIN FOR n IN {}..{} LOOP PERFORM outbox.emit('b', jsonb_build_object('n', n), '{{}}', 'b-' || n); END LOOP; END $$",
-            t * 1000 + 1,
-            t * 1000 + 1000
+            "DO $$ BEGIN FOR n IN {}..{} LOOP PERFORM outbox.emit('b', jsonb_build_object('n', n, 'pad', repeat('x', {WINDOW_TEST_PAD})), '{{}}', 'b-' || n); END LOOP; END $$",
+            t * per_txn + 1,
+            t * per_txn + per_txn
         ));
     }
+    let wal_end = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
     // Four times wal_sender_timeout with the broker blocked and the window full.
     let deadline = std::time::Instant::now() + Duration::from_secs(12);
+    let mut sent_max = 0;
     while std::time::Instant::now() < deadline {
         assert!(
             streamer.try_status().is_none(),
@@ -673,6 +718,7 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
             streamer.log()
         );
         assert!(ob.slot_active(), "the replication connection was dropped");
+        sent_max = sent_max.max(sent_lsn(&ob).unwrap_or(0));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(
@@ -690,17 +736,81 @@ async fn blocked_broker_fills_the_window_without_losing_the_connection() {
                 .map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().unwrap())
         })
         .unwrap();
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let log = streamer.log();
+    assert_eq!(
+        status.map(|s| s.success()),
+        Some(false),
+        "the drain timed out:\n{log}"
+    );
+    let in_flight: u64 = log
+        .split("shutdown timed out with ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the timed-out drain counts what was in flight:\n{log}"));
+    assert!(
+        ob.confirmed_flush() < first_lsn,
+        "nothing unconfirmed was acknowledged"
+    );
     rmq.unblock();
-    let got = ob.drain(5_001, scaled(Duration::from_secs(60))).await;
-    assert_eq!(got.len(), 5_001, "{}", streamer.log());
-    let ns: Vec<i64> = got
+    let again = ob.run(&[]);
+    let total = WINDOW_TEST_MESSAGES as usize + 1;
+    let got = ob.drain(total, scaled(Duration::from_secs(60))).await;
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<i64> = got
         .iter()
-        .map(|m| m.message_id.clone().unwrap()[2..].parse().unwrap())
+        .filter_map(|m| m.message_id.clone())
+        .filter(|id| seen.insert(id.clone()))
+        .map(|id| id[2..].parse().unwrap())
         .collect();
-    assert!(ns.windows(2).all(|w| w[0] < w[1]), "in order");
-    eprintln!("blocked broker: peak RSS {rss_kb} kB with a 200-message window");
+    assert_eq!(firsts.len(), total, "{}", again.log());
+    assert!(firsts.windows(2).all(|w| w[0] < w[1]), "in order");
+    (
+        in_flight,
+        sent_max.saturating_sub(first_lsn),
+        wal_end - first_lsn,
+        rss_kb,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_broker_fills_the_window_without_losing_the_connection() {
+    // 100 messages of 8 KB: the message bound is the one that binds (the byte bound, 16 MiB
+    // by default, would allow 2,000).
+    let (in_flight, sent, span, rss_kb) =
+        blocked_broker_holds_the_window(&["--max-in-flight", "100"], "ops_block").await;
+    eprintln!(
+        "blocked broker, --max-in-flight 100: {in_flight} messages in flight at the SIGTERM; the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+    );
+    assert!(
+        in_flight <= 100,
+        "{in_flight} messages in flight with --max-in-flight 100 (of {WINDOW_TEST_MESSAGES} emitted)"
+    );
+    assert!(in_flight >= 50, "the window filled: {in_flight} in flight");
     assert!(
         rss_kb < 128 * 1024,
         "memory stays bounded while the broker is blocked"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_broker_fills_the_byte_window() {
+    // 64 KiB of payload: about 8 messages of 8 KB, while the message bound (10,000 by
+    // default) would allow all 5,000.
+    let (in_flight, sent, span, rss_kb) =
+        blocked_broker_holds_the_window(&["--max-in-flight-bytes", "65536"], "ops_block_bytes")
+            .await;
+    eprintln!(
+        "blocked broker, --max-in-flight-bytes 65536: {in_flight} messages in flight at the SIGTERM; the server sent {sent} bytes of the {span} the messages span; peak RSS {rss_kb} kB"
+    );
+    // The window admits a message while it holds less than the bound, so one message may
+    // take it past: the tiny first message (`b-0`), then 65,536 / 8,000 + 1 large ones.
+    let bound = 1 + 65_536 / WINDOW_TEST_PAD as u64 + 1;
+    assert!(
+        in_flight <= bound,
+        "{in_flight} messages of about {WINDOW_TEST_PAD} bytes in flight with --max-in-flight-bytes 65536 (at most {bound})"
+    );
+    assert!(in_flight >= 1, "the window filled: {in_flight} in flight");
 }

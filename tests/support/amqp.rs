@@ -24,8 +24,11 @@ pub struct Received {
     /// `content_type` property.
     pub content_type: Option<String>,
     /// Headers, values rendered to strings (strings as-is, numbers/bools via
-    /// Display, byte arrays lossily as UTF-8, nested values as Debug).
+    /// Display, byte arrays lossily as UTF-8, nested values as Debug). An integer and a
+    /// string header render alike here: assert types on [`Received::header_values`].
     pub headers: BTreeMap<String, String>,
+    /// Headers as received, with their AMQP field types.
+    pub header_values: BTreeMap<String, AMQPValue>,
     /// `timestamp` property (seconds).
     pub timestamp: Option<u64>,
     /// `delivery_mode` property (2 = persistent).
@@ -40,9 +43,49 @@ impl Received {
         String::from_utf8_lossy(&self.body).into_owned()
     }
 
+    /// The AMQP field type of header `key`, if present.
+    pub fn header_kind(&self, key: &str) -> Option<HeaderKind> {
+        self.header_values.get(key).map(HeaderKind::of)
+    }
+
     /// Body parsed as JSON (panics if not JSON).
     pub fn body_json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).expect("body is not JSON")
+    }
+}
+
+/// The type of an AMQP header value, as far as the tests care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderKind {
+    /// A long or short string.
+    Text,
+    /// Any integer field type, with its width in bits.
+    Int(u8),
+    /// A 32- or 64-bit float, with its width in bits.
+    Float(u8),
+    /// A boolean.
+    Bool,
+    /// Void (no value).
+    Void,
+    /// Anything else (tables, arrays, timestamps, byte arrays, decimals).
+    Other,
+}
+
+impl HeaderKind {
+    /// The kind of `v`.
+    pub fn of(v: &AMQPValue) -> HeaderKind {
+        match v {
+            AMQPValue::ShortString(_) | AMQPValue::LongString(_) => HeaderKind::Text,
+            AMQPValue::ShortShortInt(_) | AMQPValue::ShortShortUInt(_) => HeaderKind::Int(8),
+            AMQPValue::ShortInt(_) | AMQPValue::ShortUInt(_) => HeaderKind::Int(16),
+            AMQPValue::LongInt(_) | AMQPValue::LongUInt(_) => HeaderKind::Int(32),
+            AMQPValue::LongLongInt(_) => HeaderKind::Int(64),
+            AMQPValue::Float(_) => HeaderKind::Float(32),
+            AMQPValue::Double(_) => HeaderKind::Float(64),
+            AMQPValue::Boolean(_) => HeaderKind::Bool,
+            AMQPValue::Void => HeaderKind::Void,
+            _ => HeaderKind::Other,
+        }
     }
 }
 
@@ -231,23 +274,28 @@ pub async fn drain_queue(
     got
 }
 
-fn to_received(
+/// Converts a delivery's parts into a [`Received`].
+pub fn to_received(
     exchange: &str,
     routing_key: &str,
     redelivered: bool,
     p: &BasicProperties,
     body: Vec<u8>,
 ) -> Received {
-    let headers = p
+    let header_values: BTreeMap<String, AMQPValue> = p
         .headers()
         .as_ref()
         .map(|t| {
             t.inner()
                 .iter()
-                .map(|(k, v)| (k.as_str().to_owned(), render(v)))
+                .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
                 .collect()
         })
         .unwrap_or_default();
+    let headers = header_values
+        .iter()
+        .map(|(k, v)| (k.clone(), render(v)))
+        .collect();
     Received {
         body,
         message_id: p.message_id().as_ref().map(|s| s.as_str().to_owned()),
@@ -255,6 +303,7 @@ fn to_received(
         exchange: exchange.to_owned(),
         content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
         headers,
+        header_values,
         timestamp: *p.timestamp(),
         delivery_mode: *p.delivery_mode(),
         redelivered,

@@ -97,8 +97,8 @@ impl Postgres {
              listen_addresses = '127.0.0.1'\n\
              unix_socket_directories = '{sock}'\n\
              wal_level = logical\n\
-             max_replication_slots = 32\n\
-             max_wal_senders = 32\n\
+             max_replication_slots = 128\n\
+             max_wal_senders = 64\n\
              max_connections = 200\n\
              fsync = off\n\
              synchronous_commit = off\n\

@@ -1,0 +1,210 @@
+//! `setup` and `teardown`, and the server checks they make (`wal_level`, `REPLICATION`,
+//! free slots, the publication).
+
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::error::Error;
+
+use super::inspection::{pending_outbox_messages, slot_status};
+use super::OUTBOX_SQL;
+
+/// Whether a publication of this name exists in the connected database.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn publication_exists(client: &Client, publication: &str) -> Result<bool, Error> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the publication", e))?
+        .is_some())
+}
+
+/// Fails unless `wal_level = logical`.
+///
+/// # Errors
+/// [`Error::Precondition`] naming the setting, its value and the fix.
+pub async fn check_wal_level(client: &Client) -> Result<(), Error> {
+    let row = client
+        .query_one("SELECT current_setting('wal_level')", &[])
+        .await
+        .map_err(|e| Error::sql("reading wal_level", e))?;
+    let level: String = row.get(0);
+    if level != "logical" {
+        return Err(Error::Precondition(format!(
+            "wal_level is '{level}'; set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )));
+    }
+    Ok(())
+}
+
+/// Fails unless the current role may use replication.
+///
+/// # Errors
+/// [`Error::Precondition`] with the `ALTER ROLE` to run.
+pub async fn check_replication_role(client: &Client) -> Result<(), Error> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the role's attributes", e))?;
+    let (user, ok): (String, bool) = (row.get(0), row.get(1));
+    if !ok {
+        return Err(Error::Precondition(format!(
+            "role {user:?} lacks the REPLICATION attribute; run ALTER ROLE \"{user}\" REPLICATION as a superuser"
+        )));
+    }
+    Ok(())
+}
+
+/// What `setup` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SetupReport {
+    /// The publication was created now (false: it existed).
+    pub publication_created: bool,
+    /// The slot was created now (false: it existed).
+    pub slot_created: bool,
+    /// The slot's `confirmed_flush_lsn` after setup.
+    pub confirmed_flush_lsn: String,
+}
+
+/// Installs `sql/outbox.sql`, creates the publication (no tables) and the pgoutput slot
+/// when missing. Idempotent.
+///
+/// # Errors
+/// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, or an
+/// existing slot with another plugin or database; [`Error::Sql`] otherwise.
+pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<SetupReport, Error> {
+    check_wal_level(client).await?;
+    check_replication_role(client).await?;
+    client
+        .batch_execute(OUTBOX_SQL)
+        .await
+        .map_err(|e| Error::sql("installing sql/outbox.sql", e))?;
+    let publication_created = !publication_exists(client, publication).await?;
+    if publication_created {
+        client
+            .batch_execute(&format!("CREATE PUBLICATION \"{publication}\""))
+            .await
+            .map_err(|e| Error::sql(format!("creating publication {publication:?}"), e))?;
+    }
+    let existing = client
+        .query_opt(
+            "SELECT plugin::text, database::text, current_database()::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("looking up the slot", e))?;
+    let slot_created = match existing {
+        Some(row) => {
+            let (plugin, db, current): (Option<String>, Option<String>, String) =
+                (row.get(0), row.get(1), row.get(2));
+            if plugin.as_deref() != Some("pgoutput") || db.as_deref() != Some(current.as_str()) {
+                return Err(Error::Precondition(format!(
+                    "slot {slot:?} exists with plugin {} in database {}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot (SELECT pg_drop_replication_slot('{slot}'))",
+                    plugin.as_deref().unwrap_or("(none: a physical slot)"),
+                    db.as_deref().map(|d| format!("{d:?}")).unwrap_or_else(|| "(none)".into()),
+                )));
+            }
+            false
+        }
+        None => {
+            if let Err(e) = client
+                .query_one(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await
+            {
+                if e.code().map(|c| c.code()) == Some("53400") {
+                    let max: String = client
+                        .query_one("SELECT current_setting('max_replication_slots')", &[])
+                        .await
+                        .map(|r| r.get(0))
+                        .unwrap_or_else(|_| "?".into());
+                    return Err(Error::Precondition(format!(
+                        "no free replication slot: max_replication_slots = {max} are all in use; raise max_replication_slots and restart PostgreSQL, or drop an unused slot (SELECT pg_drop_replication_slot(name))"
+                    )));
+                }
+                return Err(Error::sql(format!("creating slot {slot:?}"), e));
+            }
+            true
+        }
+    };
+    let status = slot_status(client, slot).await?;
+    Ok(SetupReport {
+        publication_created,
+        slot_created,
+        confirmed_flush_lsn: status.confirmed_flush_lsn.unwrap_or_default(),
+    })
+}
+
+/// What `teardown` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TeardownReport {
+    /// The slot existed and was dropped.
+    pub slot_dropped: bool,
+    /// The publication existed and was dropped.
+    pub publication_dropped: bool,
+}
+
+/// Drops the slot and the publication. Refuses while the slot holds unsent outbox
+/// messages unless `force`; refuses while the slot is active.
+///
+/// # Errors
+/// [`Error::Precondition`] with the reason and the fix; [`Error::Sql`].
+pub async fn teardown(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    force: crate::cli::Force,
+) -> Result<TeardownReport, Error> {
+    let slot_exists = match slot_status(client, slot).await {
+        Ok(status) => {
+            if status.active {
+                return Err(Error::Precondition(format!(
+                    "slot {slot:?} is active (pid {}, {}); stop the streamer first",
+                    status
+                        .active_pid
+                        .map(|p| p.to_string())
+                        .unwrap_or_else(|| "unknown".into()),
+                    status.holder.as_deref().unwrap_or("unknown application")
+                )));
+            }
+            if force == crate::cli::Force::No && status.wal_status.as_deref() != Some("lost") {
+                let pending = pending_outbox_messages(client, slot, publication).await?;
+                if pending > 0 {
+                    return Err(Error::Precondition(format!(
+                        "slot {slot:?} still holds {pending} unsent outbox messages; run `pgoutbox run` until they are delivered, or pass --force to drop them"
+                    )));
+                }
+            }
+            true
+        }
+        Err(Error::Precondition(_)) => false,
+        Err(e) => return Err(e),
+    };
+    if slot_exists {
+        client
+            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await
+            .map_err(|e| Error::sql(format!("dropping slot {slot:?}"), e))?;
+    }
+    let publication_dropped = publication_exists(client, publication).await?;
+    if publication_dropped {
+        client
+            .batch_execute(&format!("DROP PUBLICATION IF EXISTS \"{publication}\""))
+            .await
+            .map_err(|e| Error::sql(format!("dropping publication {publication:?}"), e))?;
+    }
+    Ok(TeardownReport {
+        slot_dropped: slot_exists,
+        publication_dropped,
+    })
+}

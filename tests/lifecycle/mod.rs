@@ -1,0 +1,316 @@
+//! What the README promises about stopping and losing peers: the bounded SIGTERM drain and
+//! its non-zero exit, SIGINT handled like SIGTERM, the confirm collection after Postgres goes
+//! away, and logs that never carry payloads or passwords.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::support::{self, lsn, scaled, Outbox, Postgres, Proxy, RabbitMq, Streamer};
+
+/// Waits until the streamer's trace log shows `n` more commits than `commits_before`: it has
+/// read (and published) those transactions, so their messages are in flight.
+async fn wait_in_flight(streamer: &Streamer, commits_before: usize, n: usize) {
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            streamer.log_count(": commit end_lsn=") >= commits_before + n
+        })
+        .await,
+        "the streamer read {n} commits:\n{}",
+        streamer.log()
+    );
+}
+
+/// README, "The CLI": `run` waits at most `--shutdown-timeout-s` for outstanding confirms
+/// and exits non-zero when the drain timed out, having acknowledged nothing unconfirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "life_drain_timeout").await;
+    let streamer = ob.run(&["--shutdown-timeout-s", "3"]);
+    assert!(
+        streamer
+            .wait_for_log(": streaming slot=", scaled(Duration::from_secs(20)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    rmq.block();
+    let commits = streamer.log_count(": commit end_lsn=");
+    let held = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'held')"));
+    wait_in_flight(&streamer, commits, 1).await;
+    let t = Instant::now();
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let took = t.elapsed();
+    let log = streamer.log();
+    eprintln!("drain timeout: exit {status:?} after {took:.1?}");
+    assert_eq!(
+        status.map(|s| s.success()),
+        Some(false),
+        "a drain that timed out exits non-zero:\n{log}"
+    );
+    assert!(
+        took >= Duration::from_millis(2_500),
+        "it waited about --shutdown-timeout-s 3 before giving up, not {took:?}:\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(3) + scaled(Duration::from_secs(10)),
+        "it gave up after about --shutdown-timeout-s 3, not {took:?}:\n{log}"
+    );
+    assert!(
+        log.contains("shutdown timed out with 1 messages unconfirmed"),
+        "{log}"
+    );
+    assert!(
+        ob.confirmed_flush() < held,
+        "the unconfirmed message was not acknowledged"
+    );
+    // It is sent again by the next run.
+    rmq.unblock();
+    let again = ob.run(&[]);
+    let got = ob.drain(1, scaled(Duration::from_secs(30))).await;
+    let ids: Vec<_> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    assert!(
+        ids.contains(&"held".to_string()),
+        "{ids:?}\n{}",
+        again.log()
+    );
+}
+
+/// README, "The CLI": `run` streams until SIGINT/SIGTERM; with nothing in flight SIGINT is a
+/// clean shutdown (final status update, exit 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_with_nothing_in_flight_exits_zero() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "life_sigint").await;
+    let streamer = ob.run(&[]);
+    let last = lsn(&ob.sql("SELECT outbox.emit('i', '{}', '{}', 'before-sigint')"));
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() > last
+        })
+        .await,
+        "nothing is in flight before the signal"
+    );
+    let t = Instant::now();
+    streamer.sigint();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(10))).await;
+    let log = streamer.log();
+    eprintln!("sigint: exit {status:?} after {:.1?}", t.elapsed());
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "SIGINT is a clean shutdown:\n{log}"
+    );
+    assert!(log.contains("shutdown requested"), "{log}");
+    assert!(log.contains("stopped"), "{log}");
+}
+
+/// README, "Delivery guarantee", Faults: "Unconfirmed messages are sent again; confirmed
+/// ones are not (when Postgres went away, outstanding confirms are collected for up to 5 s
+/// first)". Messages published to a blocked broker are in flight when the replication
+/// connection is cut; the broker is unblocked within the 5 s: their confirms are collected
+/// and the next session starts after them, so none is published twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let pg_proxy = Proxy::start(pg.port());
+    let ob = Outbox::new(pg, &rmq.url(), "life_pg_loss").await;
+    let via_proxy = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        pg_proxy.port(),
+        ob.db
+    );
+    let streamer = ob.run_with_url(&via_proxy, &[]);
+    assert!(
+        streamer
+            .wait_for_log(": streaming slot=", scaled(Duration::from_secs(20)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    rmq.block();
+    let commits = streamer.log_count(": commit end_lsn=");
+    let n = 20;
+    for i in 1..=n {
+        ob.sql(&format!(
+            "SELECT outbox.emit('l', '{{}}', '{{}}', 'held-{i}')"
+        ));
+    }
+    wait_in_flight(&streamer, commits, n).await;
+    pg_proxy.cut();
+    assert!(
+        streamer
+            .wait_for_log(
+                "collecting outstanding confirms before reconnecting",
+                scaled(Duration::from_secs(10))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let t = Instant::now();
+    rmq.unblock();
+    eprintln!(
+        "pg loss: broker unblocked {:.1?} after the loss was logged",
+        t.elapsed()
+    );
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(60)), || async {
+            streamer.log_count(": streaming slot=") >= 2
+        })
+        .await,
+        "a new session starts:\n{}",
+        streamer.log()
+    );
+    let last = lsn(&ob.sql("SELECT outbox.emit('l', '{}', '{}', 'after')"));
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.confirmed_flush() > last
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    let got = ob.drain(n + 1, scaled(Duration::from_secs(10))).await;
+    let mut copies: HashMap<String, usize> = HashMap::new();
+    for m in &got {
+        *copies.entry(m.message_id.clone().unwrap()).or_default() += 1;
+    }
+    eprintln!(
+        "pg loss: {} delivered for {} distinct",
+        got.len(),
+        copies.len()
+    );
+    assert_eq!(copies.len(), n + 1, "all delivered: {copies:?}");
+    let twice: Vec<_> = copies.iter().filter(|(_, c)| **c > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "confirmed after the loss yet sent again: {twice:?}\n{}",
+        streamer.log()
+    );
+}
+
+/// README, "Operating it": payloads and passwords are never logged, at the most verbose
+/// level of every crate (`RUST_LOG=trace`), over a cleartext-password Postgres role and a
+/// PLAIN RabbitMQ user, on the publish path and the dead-letter path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_and_passwords_never_reach_the_log() {
+    let pg = Postgres::start_private(&[]);
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(&pg, &rmq.url(), "life_secrets").await;
+    let tag = std::process::id();
+    let pg_password = format!("PgSecret{tag}x7Q");
+    let amqp_password = format!("AmqpSecret{tag}k3Z");
+    let amqp_user = support::unique("secret_user");
+    let marker = format!("PayloadMarker{tag}w9E");
+    // pw_cleartext authenticates with a cleartext password (the password travels on the
+    // wire); make it a superuser in this private cluster so `run` may write dead letters.
+    pg.psql(
+        "postgres",
+        &format!("ALTER ROLE pw_cleartext SUPERUSER PASSWORD '{pg_password}'"),
+    );
+    rmq.ctl_ok(&["add_user", &amqp_user, &amqp_password]);
+    rmq.ctl_ok(&["set_permissions", "-p", "/", &amqp_user, ".*", ".*", ".*"]);
+    let amqp_url = format!(
+        "amqp://{amqp_user}:{amqp_password}@127.0.0.1:{}/%2f",
+        rmq.port()
+    );
+    let db_url = pg.url_as("pw_cleartext", &pg_password, &ob.db);
+    let args: Vec<String> = vec![
+        "run".into(),
+        "--database-url".into(),
+        db_url,
+        "--amqp-url".into(),
+        amqp_url,
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+        "--exchange".into(),
+        ob.exchange.clone(),
+        "--max-message-bytes".into(),
+        "2000".into(),
+    ];
+    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "trace")]);
+    // Published, dead-lettered as too large, dead-lettered as poison (not an envelope).
+    ob.sql(&format!(
+        "SELECT outbox.emit('s', jsonb_build_object('m', '{marker}'), jsonb_build_object('h', '{marker}'), 'published')"
+    ));
+    ob.sql(&format!(
+        "SELECT outbox.emit('s', jsonb_build_object('m', '{marker}', 'pad', repeat('y', 3000)), '{{}}', 'too-big')"
+    ));
+    let last = lsn(&ob.sql(&format!(
+        "SELECT pg_logical_emit_message(true, 'pgoutbox', 'not an envelope {marker}')"
+    )));
+    let got = ob.drain(1, scaled(Duration::from_secs(30))).await;
+    assert_eq!(got.len(), 1, "{}", streamer.log());
+    assert!(got[0].body_str().contains(&marker));
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.confirmed_flush() > last
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    assert_eq!(
+        ob.sql("SELECT count(*) FROM outbox.dead_letter").trim(),
+        "2",
+        "{}",
+        streamer.log()
+    );
+    streamer.sigterm();
+    assert_eq!(
+        streamer
+            .wait_exit(scaled(Duration::from_secs(20)))
+            .await
+            .map(|s| s.success()),
+        Some(true),
+        "{}",
+        streamer.log()
+    );
+    let log = streamer.log();
+    rmq.ctl_ok(&["delete_user", &amqp_user]);
+    assert!(
+        log.contains("TRACE pgoutbox::pipeline"),
+        "trace logging was on:\n{log}"
+    );
+    let as_bytes = |s: &str| {
+        s.bytes()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let as_hex = |s: &str| s.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    for (what, secret) in [
+        ("the Postgres password", &pg_password),
+        ("the RabbitMQ password", &amqp_password),
+        ("a payload", &marker),
+    ] {
+        for (form, needle) in [
+            ("text", secret.clone()),
+            ("a byte list", as_bytes(secret)),
+            ("hex", as_hex(secret)),
+        ] {
+            let hits: Vec<&str> = log.lines().filter(|l| l.contains(&needle)).collect();
+            assert!(
+                hits.is_empty(),
+                "{what} appears in the log as {form} ({} lines), e.g.:\n{}",
+                hits.len(),
+                hits.iter()
+                    .take(3)
+                    .map(|l| &l[..l.len().min(400)])
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
+    }
+    eprintln!(
+        "secrets: {} log lines at RUST_LOG=trace, no password or payload",
+        log.lines().count()
+    );
+}
