@@ -287,10 +287,6 @@ async fn run_session(
         dead_letters,
         start,
     } = connected;
-    publisher.watch_events(
-        telemetry.broker_blocked_flag(),
-        telemetry.broker_lost_flag(),
-    );
     telemetry.session_started();
     let mut core = Core::new(
         config.clone(),
@@ -348,6 +344,10 @@ async fn connect(
         amqp_url: config.amqp_url.clone(),
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
+        signals: crate::publisher::BrokerSignals {
+            blocked: telemetry.broker_blocked_flag(),
+            lost: telemetry.broker_lost_flag(),
+        },
     };
     let publisher = Publisher::<u64>::connect(&publisher_config).await?;
     let hint = resume.unwrap_or(Lsn::ZERO);
