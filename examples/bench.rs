@@ -722,6 +722,12 @@ impl Streamer {
                 "--max-in-flight",
                 &PGOUTBOX_WINDOW.to_string(),
             ])
+            // Metrics on an ephemeral port, so benchmarks never collide on the default
+            // address; PGOUTBOX_HTTP_ADDR (e.g. off) overrides.
+            .args(match std::env::var_os("PGOUTBOX_HTTP_ADDR") {
+                Some(_) => vec![],
+                None => vec!["--http-addr", "127.0.0.1:0"],
+            })
             .stdin(Stdio::null())
             .stdout(
                 file.try_clone()

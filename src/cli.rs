@@ -8,8 +8,9 @@ use crate::config::{
     RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP, DEFAULT_EXCHANGE,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
-    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT, DEFAULT_STALL_AFTER,
 };
+use crate::metrics::DEFAULT_HTTP_ADDR;
 
 /// Whether `teardown` may drop a slot that still holds unsent outbox messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -253,6 +254,23 @@ pub struct RunArgs {
     /// 1 to 536870912 (RabbitMQ's own ceiling).
     #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES", value_parser = parse_whole_number::<usize>)]
     pub broker_max_message_bytes: Option<usize>,
+    /// Where to serve /metrics, /healthz and /readyz: HOST:PORT, or off.
+    #[arg(long, env = "PGOUTBOX_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR, value_parser = parse_http_addr_arg)]
+    pub http_addr: HttpAddr,
+    /// Seconds without any settle, while messages are unconfirmed, after which the stream
+    /// counts as stalled (/readyz 503 "stalled", a warning once a minute); 1 to 3600.
+    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs())]
+    pub stall_after_s: u64,
+}
+
+/// A parsed `--http-addr` (`None`: off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpAddr(pub Option<std::net::SocketAddr>);
+
+fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
+    crate::config::parse_http_addr(text)
+        .map(HttpAddr)
+        .map_err(|e| e.to_string())
 }
 
 impl RunArgs {
@@ -285,6 +303,8 @@ impl RunArgs {
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             read_coalesce: Duration::from_micros(self.read_coalesce_us),
             instance_id,
+            http_addr: self.http_addr.0,
+            stall_after: Duration::from_secs(self.stall_after_s),
         }
     }
 }
@@ -318,6 +338,41 @@ pub struct TeardownArgs {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn metrics_are_served_on_loopback_by_default_and_can_be_turned_off() {
+        let run = |extra: &[&str]| {
+            let mut args = vec![
+                "pgoutbox",
+                "run",
+                "--database-url",
+                "postgres://u@h/db",
+                "--amqp-url",
+                "amqp://h",
+            ];
+            args.extend(extra);
+            match Cli::try_parse_from(args).unwrap().command {
+                Command::Run(args) => args.into_config(),
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(
+            run(&[]).http_addr.map(|a| a.to_string()).as_deref(),
+            Some(DEFAULT_HTTP_ADDR)
+        );
+        assert_eq!(run(&["--http-addr", "off"]).http_addr, None);
+        assert!(Cli::try_parse_from([
+            "pgoutbox",
+            "run",
+            "--database-url",
+            "x",
+            "--amqp-url",
+            "y",
+            "--http-addr",
+            "nonsense"
+        ])
+        .is_err());
+    }
 
     #[test]
     fn validation_errors_name_the_flag_and_its_environment_variable() {

@@ -70,6 +70,38 @@ pub const DEAD_LETTER_LIST_CAP: i64 = 1_000_000;
 /// any row can be.
 pub const DEAD_LETTER_AGE_CAP: Duration = Duration::from_secs(36_500 * 86_400);
 
+/// Default `--stall-after-s`: unconfirmed messages with no settle for a minute are a stall
+/// (a confirm round trip is milliseconds; a minute rules out a slow disk or a GC pause).
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(60);
+/// Largest accepted `--stall-after-s`: one hour (a stall detected later is no alarm).
+pub const MAX_STALL_AFTER: Duration = Duration::from_secs(3600);
+
+/// Parses `--http-addr`: `HOST:PORT` (an IP address, `localhost`) or `off`.
+///
+/// # Errors
+/// [`ValidationError`] for `--http-addr` naming the accepted forms.
+pub fn parse_http_addr(text: &str) -> Result<Option<std::net::SocketAddr>, ValidationError> {
+    use std::net::ToSocketAddrs;
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let bad = |why: String| ValidationError {
+        setting: "--http-addr",
+        value: text.to_owned(),
+        rule: format!(
+            "{why}; write HOST:PORT (e.g. 127.0.0.1:8432, 0.0.0.0:8432 in a container) or off"
+        ),
+    };
+    let mut addrs = text
+        .to_socket_addrs()
+        .map_err(|e| bad(format!("not an address ({e})")))?;
+    addrs
+        .next()
+        .map(Some)
+        .ok_or_else(|| bad("resolves to no address".into()))
+}
+
 /// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
 /// is hard to hit from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -314,6 +346,11 @@ pub struct RunConfig {
     pub read_coalesce: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
     pub instance_id: String,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (`None`: off).
+    pub http_addr: Option<std::net::SocketAddr>,
+    /// Unconfirmed messages with no settle for this long are a stall (`/readyz` 503, the
+    /// `pgoutbox_stalled` gauge, a warning a minute).
+    pub stall_after: Duration,
 }
 
 impl std::fmt::Debug for RunConfig {
@@ -334,6 +371,8 @@ impl std::fmt::Debug for RunConfig {
             .field("max_message_bytes", &self.max_message_bytes)
             .field("broker_max_message_bytes", &self.broker_max_message_bytes)
             .field("instance_id", &self.instance_id)
+            .field("http_addr", &self.http_addr)
+            .field("stall_after", &self.stall_after)
             .finish()
     }
 }
@@ -440,6 +479,13 @@ impl RunConfig {
                 ),
             });
         }
+        check_range(
+            "--stall-after-s",
+            self.stall_after.as_secs(),
+            1,
+            MAX_STALL_AFTER.as_secs(),
+            "seconds",
+        )?;
         Ok(())
     }
 }
@@ -555,9 +601,31 @@ mod tests {
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             read_coalesce: DEFAULT_READ_COALESCE,
             instance_id: "test".into(),
+            http_addr: None,
+            stall_after: DEFAULT_STALL_AFTER,
         };
         config.validate().unwrap();
         config
+    }
+
+    #[test]
+    fn http_addr_and_stall_after_are_validated() {
+        assert_eq!(parse_http_addr("off"), Ok(None));
+        assert_eq!(
+            parse_http_addr("127.0.0.1:8432").unwrap().map(|a| a.port()),
+            Some(8432)
+        );
+        let e = parse_http_addr("nonsense").unwrap_err();
+        assert_eq!(e.setting, "--http-addr");
+        assert!(e.to_string().contains("or off"), "{e}");
+        for bad in [0, 3601] {
+            let config = RunConfig {
+                stall_after: Duration::from_secs(bad),
+                ..base()
+            };
+            let e = config.validate().unwrap_err();
+            assert_eq!(e.setting, "--stall-after-s", "{e}");
+        }
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod config;
 pub mod envelope;
 pub mod error;
 pub mod lsn;
+pub mod metrics;
 pub mod pgoutput;
 pub mod pipeline;
 pub mod publisher;

@@ -10,5 +10,6 @@ mod faults;
 mod hardening;
 mod harness_smoke;
 mod lifecycle;
+mod observability;
 mod operations;
 mod proxy_smoke;

@@ -10,6 +10,8 @@
 //! limit once RabbitMQ revealed it by closing the channel, and how often the same WAL
 //! position failed to decode.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -22,6 +24,7 @@ use crate::admin;
 use crate::config::{parse_database_url, RunConfig};
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::metrics::{Phase, Telemetry, DRIVER_BEAT};
 use crate::publisher::{Publisher, PublisherConfig};
 use crate::replication::connect::ReplicationConnection;
 use crate::replication::session::ReplicationStream;
@@ -79,6 +82,43 @@ pub(super) struct BrokerLimit {
     pub source: String,
 }
 
+/// Runs `fut` while beating the heartbeat every [`DRIVER_BEAT`]: the driver is turning
+/// while it connects, backs off or waits for the slot (each of those waits is bounded or
+/// ends on a signal).
+///
+/// # Cancel safety
+/// As cancel safe as `fut`.
+async fn beating<F: Future>(telemetry: &Telemetry, fut: F) -> F::Output {
+    let mut ticks = tokio::time::interval(DRIVER_BEAT);
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut fut => return out,
+            _ = ticks.tick() => telemetry.beat(),
+        }
+    }
+}
+
+/// The reconnect cause of a retryable session failure, for `pgoutbox_reconnects_total`.
+fn reconnect_cause(error: &Error) -> &'static str {
+    match error {
+        Error::BrokerLost(_) | Error::Publisher(_) => "broker",
+        _ => "postgres",
+    }
+}
+
+/// Aborts the HTTP task when `run` returns.
+struct ServerGuard(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 /// Resolves once shutdown was requested (or the sender is gone).
 ///
 /// # Cancel safety
@@ -94,8 +134,12 @@ async fn shutdown_requested(shutdown: &mut watch::Receiver<bool>) {
 /// Each session starts from the slot (and from the last LSN this process knows to be
 /// settled, when that is further), so a reconnect re-sends at most what was not confirmed.
 ///
+/// With `config.http_addr` set, `/metrics`, `/healthz` and `/readyz` are served there (see
+/// [`crate::metrics`]) for as long as this runs.
+///
 /// # Errors
-/// Definite errors only: configuration and precondition errors, a lost slot,
+/// Definite errors only: configuration and precondition errors (including an
+/// `--http-addr` that cannot be listened on), a lost slot,
 /// [`Error::SlotBusy`] when `slot_busy_timeout` is set, [`Error::ShutdownTimeout`],
 /// [`Error::DrainInterrupted`] when a connection was lost while shutdown was draining
 /// confirms, [`Error::UndecodableWal`]. On every path nothing past the last settled
@@ -106,6 +150,21 @@ pub async fn run(
 ) -> Result<RunSummary, Error> {
     config.validate()?;
     let pg = parse_database_url(&config.database_url)?;
+    let telemetry = Telemetry::new(config.stall_after);
+    let _server = match config.http_addr {
+        Some(addr) => ServerGuard(Some(
+            crate::metrics::serve(addr, Arc::clone(&telemetry))
+                .await
+                .map_err(|e| crate::config::ValidationError {
+                    setting: "--http-addr",
+                    value: addr.to_string(),
+                    rule: format!(
+                        "cannot listen there ({e}); pick a free port, or write off to disable the HTTP server"
+                    ),
+                })?,
+        )),
+        None => ServerGuard(None),
+    };
     let mut memory = SessionMemory {
         broker_limit: config
             .broker_max_message_bytes
@@ -119,7 +178,16 @@ pub async fn run(
     let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
     loop {
         let began = Instant::now();
-        let result = run_session(&config, &pg, shutdown.clone(), &mut memory, &mut summary).await;
+        let result = run_session(
+            &config,
+            &pg,
+            shutdown.clone(),
+            &mut memory,
+            &mut summary,
+            &telemetry,
+        )
+        .await;
+        telemetry.set_phase(Phase::Connecting);
         let error = match result {
             Ok(()) => return Ok(summary),
             Err(e) => e,
@@ -144,6 +212,7 @@ pub async fn run(
         }
         let delay = delays.next().unwrap_or(RECONNECT_MAX);
         summary.reconnects += 1;
+        telemetry.reconnect(reconnect_cause(&error));
         tracing::warn!(
             error = %crate::error::render_report(&error),
             retry_in_ms = delay.as_millis() as u64,
@@ -153,7 +222,7 @@ pub async fn run(
         tokio::select! {
             biased;
             _ = shutdown_requested(&mut shutdown) => return Ok(summary),
-            _ = tokio::time::sleep(delay) => {}
+            _ = beating(&telemetry, tokio::time::sleep(delay)) => {}
         }
     }
 }
@@ -199,15 +268,17 @@ async fn run_session(
     mut shutdown: watch::Receiver<bool>,
     memory: &mut SessionMemory,
     summary: &mut RunSummary,
+    telemetry: &Arc<Telemetry>,
 ) -> Result<(), Error> {
     memory.unsettled_at_end = 0;
+    telemetry.set_phase(Phase::Connecting);
     let connected = tokio::select! {
         biased;
         _ = shutdown_requested(&mut shutdown) => {
             tracing::info!("shutdown requested while connecting; nothing was in flight");
             return Ok(());
         }
-        c = connect(config, pg, memory.resume) => c?,
+        c = beating(telemetry, connect(config, pg, memory.resume, telemetry)) => c?,
     };
     let Connected {
         stream,
@@ -216,6 +287,7 @@ async fn run_session(
         dead_letters,
         start,
     } = connected;
+    telemetry.session_started();
     let mut core = Core::new(
         config.clone(),
         stream,
@@ -224,6 +296,7 @@ async fn run_session(
         interval,
         memory.broker_limit.clone(),
         std::mem::take(summary),
+        Arc::clone(telemetry),
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
     memory.resume = Some(core.flushed());
@@ -237,6 +310,9 @@ async fn run_session(
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, publisher.close()).await;
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
     dead_letters.stop();
+    telemetry
+        .broker_blocked_flag()
+        .store(false, std::sync::atomic::Ordering::Relaxed);
     if result.is_ok() {
         tracing::info!(
             published = summary.published,
@@ -257,6 +333,7 @@ async fn connect(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
     resume: Option<Lsn>,
+    telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
     admin::preflight(&sql, &config.slot, &config.publication).await?;
@@ -267,10 +344,15 @@ async fn connect(
         amqp_url: config.amqp_url.clone(),
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
+        signals: crate::publisher::BrokerSignals {
+            blocked: telemetry.broker_blocked_flag(),
+            lost: telemetry.broker_lost_flag(),
+        },
     };
     let publisher = Publisher::<u64>::connect(&publisher_config).await?;
     let hint = resume.unwrap_or(Lsn::ZERO);
-    let (stream, interval) = start_stream(config, pg, &sql, &application_name, hint).await?;
+    let (stream, interval) =
+        start_stream(config, pg, &sql, &application_name, hint, telemetry).await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
     let start = slot_lsn.max(hint);
@@ -365,6 +447,7 @@ async fn start_stream(
     sql: &tokio_postgres::Client,
     application_name: &str,
     start: Lsn,
+    telemetry: &Telemetry,
 ) -> Result<(ReplicationStream, Duration), Error> {
     let began = Instant::now();
     let mut delays = backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX);
@@ -412,6 +495,8 @@ async fn start_stream(
                 if let Some(limit) = config.slot_busy_timeout {
                     delay = delay.min(limit.saturating_sub(waited) + Duration::from_millis(50));
                 }
+                telemetry.set_phase(Phase::SlotBusy);
+                telemetry.reconnect("slot_busy");
                 tracing::warn!(
                     slot = %config.slot,
                     holder_pid = %holder_pid,

@@ -7,6 +7,7 @@
 //! ([`Core::publish_due_retries`]). Each settle goes through [`Core::settle`], the only
 //! caller of [`AckWatermark::confirm`].
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -22,6 +23,7 @@ use crate::config::{Failpoint, RunConfig, UnroutablePolicy, MESSAGE_PREFIX};
 use crate::envelope;
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::metrics::{unix_now_us, LatencyBatch, Phase, Telemetry, Turn};
 use crate::pgoutput::{self, LogicalMessage};
 use crate::publisher::{PublishOutcome, Publisher};
 use crate::replication::session::ReplicationStream;
@@ -67,9 +69,18 @@ pub(super) struct Core {
     /// The broker's message size limit, when known.
     broker_limit: Option<BrokerLimit>,
     summary: RunSummary,
+    /// The server's end of WAL as last reported (keepalive and XLogData `walEnd`).
+    server_wal_end: Lsn,
+    /// Metrics and probe state, written once per turn.
+    telemetry: Arc<Telemetry>,
+    /// Confirm latencies of this turn, added to the histogram at its end.
+    latency: LatencyBatch,
 }
 
 impl Core {
+    // One argument per thing a session hands over; a struct for them would only be unpacked
+    // here.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: RunConfig,
         stream: ReplicationStream,
@@ -78,7 +89,9 @@ impl Core {
         interval: Duration,
         broker_limit: Option<BrokerLimit>,
         summary: RunSummary,
+        telemetry: Arc<Telemetry>,
     ) -> Self {
+        let stall = StallWatch::new(config.stall_after);
         Core {
             stream,
             dead_letters,
@@ -86,13 +99,40 @@ impl Core {
             wm: AckWatermark::new(start),
             received: start,
             feedback: Feedback::new(interval),
-            stall: StallWatch::new(),
+            stall,
             next_read_at: Instant::now(),
             current_txn: None,
             in_flight: InFlightTable::default(),
             broker_limit,
             summary,
+            server_wal_end: start,
+            telemetry,
+            latency: LatencyBatch::default(),
         }
+    }
+
+    /// Reports this turn to the metrics (counters, gauges, latencies, the stall clock and
+    /// the heartbeat): a few relaxed atomic stores, once per turn, never per message.
+    fn report_turn(&mut self) {
+        let now = Instant::now();
+        let unconfirmed = self.wm.unconfirmed();
+        if let Some(at) = self.stall.turn(unconfirmed, now) {
+            self.telemetry.progress_at(at.into_std());
+        }
+        let backlog = self.wm.backlog();
+        let turn = Turn {
+            published: self.summary.published,
+            retried: self.summary.retried,
+            confirmed: self.summary.confirmed,
+            unacknowledged_messages: backlog.messages,
+            unacknowledged_bytes: backlog.bytes,
+            unconfirmed,
+            flush_lsn: self.feedback.last_sent_flush().0,
+            received_lsn: self.received.0,
+            server_wal_end: self.server_wal_end.0,
+            oldest_commit_time_us: self.in_flight.oldest().map(|m| m.commit_time_us),
+        };
+        self.telemetry.turn(&turn, &mut self.latency);
     }
 
     /// The LSN known to be settled.
@@ -147,6 +187,7 @@ impl Core {
             drain = Some(Drain::Shutdown(
                 Instant::now() + self.config.shutdown_timeout,
             ));
+            self.telemetry.set_phase(Phase::Draining);
         }
         let mut buffered = true;
         self.send_status(StatusUpdateKind::Periodic).await?;
@@ -171,6 +212,7 @@ impl Core {
             let room = self.has_room();
             let next_retry = self.in_flight.next_retry();
             let writing = self.dead_letters.pending() > 0;
+            self.report_turn();
             tokio::select! {
                 biased;
                 // PRIORITY 1: shutdown. Cancel safety: watch::Receiver::changed is cancel safe.
@@ -178,6 +220,7 @@ impl Core {
                     if changed.is_err() || *shutdown.borrow() {
                         tracing::info!(unconfirmed = self.wm.unconfirmed(), "shutdown requested; draining confirms");
                         drain = Some(Drain::Shutdown(Instant::now() + self.config.shutdown_timeout));
+                        self.telemetry.set_phase(Phase::Draining);
                     }
                 }
                 // PRIORITY 2: drain deadline. Cancel safety: sleep_until is cancel safe.
@@ -242,6 +285,7 @@ impl Core {
         match e {
             Error::Replication(_) if self.wm.unconfirmed() > 0 => {
                 tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
+                self.telemetry.set_phase(Phase::ReplicationLost);
                 Ok(Some(Drain::PostgresLost(Instant::now() + PG_LOSS_DRAIN, e)))
             }
             e => Err(e),
@@ -311,6 +355,7 @@ impl Core {
         batch: Vec<(Seq, PublishOutcome)>,
         publisher: &mut Publisher<Seq>,
     ) -> Result<(), Error> {
+        let now_us = unix_now_us();
         for (seq, outcome) in batch {
             let Some(m) = self.in_flight.get_mut(seq) else {
                 continue;
@@ -323,6 +368,7 @@ impl Core {
                         .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
                     self.settle(&m)?;
                     self.summary.confirmed += 1;
+                    self.latency.observe_us(now_us - m.commit_time_us);
                     if let Some(Failpoint::AbortAfterConfirms(n)) = self.config.failpoint {
                         if self.summary.confirmed >= n {
                             tracing::error!(lsn = %m.lsn, confirmed = n, "failpoint abort-after-confirms: aborting");
@@ -343,6 +389,7 @@ impl Core {
                     return Err(Error::BrokerLost(error));
                 }
                 PublishOutcome::Nacked => {
+                    self.telemetry.nacked();
                     let error = format!("nacked by the broker (attempt {})", m.attempts);
                     m.first_error.get_or_insert_with(|| error.clone());
                     if m.attempts >= self.config.max_attempts {
@@ -359,6 +406,7 @@ impl Core {
                     reply_code,
                     reply_text,
                 } => {
+                    self.telemetry.returned();
                     let topic = envelope::decode(m.content.clone())
                         .map(|e| e.topic)
                         .unwrap_or_default();
@@ -388,19 +436,31 @@ impl Core {
         self.publish_due_retries(publisher)
     }
 
-    /// Logs a warning, at most every `STALL_WARNING`, while messages stay unsettled with no
-    /// progress for longer than that (a blocked or silent broker, a locked dead-letter table).
+    /// Logs a warning, at most once a minute (`STALL_WARNING`), while messages stay
+    /// unconfirmed with no settle for `--stall-after-s` (a blocked or silent broker, a locked
+    /// dead-letter table, an unroutable message under `--on-unroutable block`).
     fn warn_if_stalled(&mut self, room: bool) {
-        if let Some(stalled) = self.stall.check(self.wm.unconfirmed()) {
+        let unconfirmed = self.wm.unconfirmed();
+        if let Some(stalled) = self.stall.check(unconfirmed, Instant::now()) {
             let backlog = self.wm.backlog();
+            let oldest = self.in_flight.oldest();
+            let oldest_lsn = oldest
+                .map(|m| m.lsn.to_string())
+                .unwrap_or_else(|| "-".into());
+            let oldest_age_s = oldest
+                .map(|m| (unix_now_us() - m.commit_time_us).max(0) / 1_000_000)
+                .unwrap_or(0);
             tracing::warn!(
                 stalled_s = stalled.as_secs(),
-                unconfirmed = self.wm.unconfirmed(),
+                unconfirmed,
                 unacknowledged = backlog.messages,
+                oldest_lsn = %oldest_lsn,
+                oldest_age_s,
+                broker_blocked = self.telemetry.is_broker_blocked(),
                 window_full = !room,
                 flushed_lsn = %self.wm.flushed(),
                 received_lsn = %self.received,
-                "no message settled for a while: the broker may be blocked (memory or disk alarm) or unreachable, or a message is blocked; nothing unsettled is acknowledged"
+                "stalled: no message settled for --stall-after-s; the broker may be blocked (memory or disk alarm) or unreachable, or a message is blocked; nothing unsettled is acknowledged"
             );
         }
     }
@@ -494,6 +554,7 @@ impl Core {
             "message dead-lettered to outbox.dead_letter (inspect with `pgoutbox dead-letters list`)"
         );
         self.summary.dead_lettered += 1;
+        self.telemetry.dead_lettered(job.reason);
         self.settle_txn(job.txn, job.bytes)
     }
 
@@ -501,6 +562,7 @@ impl Core {
         let update = self.feedback.update(&self.wm, self.received, kind);
         self.stream.send_status(&update).await?;
         self.feedback.sent(&update);
+        self.telemetry.status_sent();
         Ok(())
     }
 
@@ -516,6 +578,7 @@ impl Core {
                 ..
             } => {
                 self.received = self.received.max(wal_end);
+                self.server_wal_end = self.server_wal_end.max(wal_end);
                 // Every XLogData before this keepalive has been handled (frames are handled
                 // in arrival order), so an idle watermark may move to walEnd.
                 let moved = self.wm.keepalive(wal_end);
@@ -525,8 +588,14 @@ impl Core {
                 }
             }
             ReplicationMessage::XLogData {
-                wal_start, data, ..
-            } => self.handle_logical(wal_start, data, publisher)?,
+                wal_start,
+                wal_end,
+                data,
+                ..
+            } => {
+                self.server_wal_end = self.server_wal_end.max(wal_end);
+                self.handle_logical(wal_start, data, publisher)?
+            }
         }
         Ok(())
     }

@@ -25,8 +25,8 @@ use crate::watermark::AckWatermark;
 
 /// At most one idle probe per this interval.
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
-/// Unsettled messages with no progress for this long are warned about, this often.
-pub const STALL_WARNING: Duration = Duration::from_secs(30);
+/// A stall is warned about at most this often.
+pub const STALL_WARNING: Duration = Duration::from_secs(60);
 
 /// The status-update timer.
 #[derive(Debug)]
@@ -121,41 +121,91 @@ impl Feedback {
     }
 }
 
-/// Detects a stall: unsettled messages and no settle for a while.
+/// Detects a stall: unconfirmed messages and no settle for `--stall-after-s`.
+///
+/// The stall clock restarts on every turn that settled a message, and on every turn with
+/// nothing unconfirmed before it (so a message arriving after a long idle period is not a
+/// stall at once). A settle only sets a flag; the clock is read once per loop turn.
 #[derive(Debug)]
 pub(super) struct StallWatch {
+    stall_after: Duration,
     last_progress: Instant,
-    last_warning: Instant,
+    last_warning: Option<Instant>,
+    settled: bool,
+    had_unconfirmed: bool,
 }
 
 impl StallWatch {
     /// A watch that starts now.
-    pub fn new() -> Self {
-        let now = Instant::now();
+    pub fn new(stall_after: Duration) -> Self {
         StallWatch {
-            last_progress: now,
-            last_warning: now,
+            stall_after,
+            last_progress: Instant::now(),
+            last_warning: None,
+            settled: false,
+            had_unconfirmed: false,
         }
     }
 
     /// A message was settled.
     pub fn progress(&mut self) {
-        self.last_progress = Instant::now();
+        self.settled = true;
     }
 
-    /// Called on every status tick: `Some(stalled for)` when a warning is due (at most every
-    /// [`STALL_WARNING`]) because `unsettled` messages saw no settle for that long.
-    pub fn check(&mut self, unsettled: u64) -> Option<Duration> {
-        let now = Instant::now();
-        if unsettled == 0 {
+    /// Once per loop turn, with the unconfirmed count: `Some(now)` when the stall clock
+    /// restarted (for the metrics).
+    pub fn turn(&mut self, unconfirmed: u64, now: Instant) -> Option<Instant> {
+        let restart = self.settled || unconfirmed == 0 || !self.had_unconfirmed;
+        self.settled = false;
+        self.had_unconfirmed = unconfirmed > 0;
+        if restart {
             self.last_progress = now;
+            self.last_warning = None;
+            Some(now)
+        } else {
+            None
+        }
+    }
+
+    /// Called on every status tick: `Some(stalled for)` when a warning is due: stalled, and
+    /// no warning in the last [`STALL_WARNING`].
+    pub fn check(&mut self, unconfirmed: u64, now: Instant) -> Option<Duration> {
+        let stalled = now.saturating_duration_since(self.last_progress);
+        if unconfirmed == 0 || stalled < self.stall_after {
             return None;
         }
-        let stalled = now.duration_since(self.last_progress);
-        if stalled >= STALL_WARNING && now.duration_since(self.last_warning) >= STALL_WARNING {
-            self.last_warning = now;
-            return Some(stalled);
+        if self
+            .last_warning
+            .is_some_and(|at| now.saturating_duration_since(at) < STALL_WARNING)
+        {
+            return None;
         }
-        None
+        self.last_warning = Some(now);
+        Some(stalled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stall_is_warned_about_once_a_minute_and_ends_with_a_settle() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut w = StallWatch::new(Duration::from_secs(5));
+        assert!(w.turn(0, at(0)).is_some());
+        // A message arrives after a long idle time: the clock starts with it.
+        assert!(w.turn(1, at(100)).is_some());
+        assert_eq!(w.check(1, at(100)), None);
+        assert!(w.turn(1, at(104)).is_none());
+        assert_eq!(w.check(1, at(104)), None);
+        assert_eq!(w.check(1, at(106)), Some(Duration::from_secs(6)));
+        assert_eq!(w.check(1, at(136)), None, "once a minute");
+        assert_eq!(w.check(1, at(166)), Some(Duration::from_secs(66)));
+        w.progress();
+        assert!(w.turn(1, at(167)).is_some());
+        assert_eq!(w.check(1, at(170)), None);
+        assert_eq!(w.check(0, at(500)), None, "nothing unconfirmed is no stall");
     }
 }

@@ -9,7 +9,7 @@
 //! write them as dead letters.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, VecDeque};
 
 use bytes::Bytes;
 use lapin::types::ShortString;
@@ -93,10 +93,16 @@ impl InFlight {
 }
 
 /// In-flight records by [`Seq`], and the retry schedule.
+///
+/// Sequence numbers are handed out in WAL order and never reused, so the records sit in a
+/// deque indexed by `seq - first` (a settled record leaves a hole until the front is
+/// settled): lookups are O(1) and the oldest unsettled record is at the front. The deque
+/// is bounded by the window, which counts every message not yet acknowledged.
 #[derive(Debug, Default)]
 pub(super) struct InFlightTable {
-    records: HashMap<Seq, InFlight>,
-    next_seq: Seq,
+    records: VecDeque<Option<InFlight>>,
+    /// The sequence number of `records[0]`.
+    first: Seq,
     /// Messages waiting to be published again: (due, seq), earliest first.
     retries: BinaryHeap<Reverse<(Instant, Seq)>>,
 }
@@ -104,20 +110,40 @@ pub(super) struct InFlightTable {
 impl InFlightTable {
     /// Adds a record; returns its sequence number.
     pub fn insert(&mut self, record: InFlight) -> Seq {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.records.insert(seq, record);
+        let seq = self.first + self.records.len() as Seq;
+        self.records.push_back(Some(record));
         seq
+    }
+
+    fn index(&self, seq: Seq) -> Option<usize> {
+        let i = usize::try_from(seq.checked_sub(self.first)?).ok()?;
+        (i < self.records.len()).then_some(i)
     }
 
     /// The record of `seq`, if still in flight.
     pub fn get_mut(&mut self, seq: Seq) -> Option<&mut InFlight> {
-        self.records.get_mut(&seq)
+        let i = self.index(seq)?;
+        self.records[i].as_mut()
     }
 
-    /// Removes the record of `seq` (it was settled).
+    fn contains(&self, seq: Seq) -> bool {
+        self.index(seq).is_some_and(|i| self.records[i].is_some())
+    }
+
+    /// Removes the record of `seq` (it was settled, or handed to the dead-letter writer).
     pub fn remove(&mut self, seq: Seq) -> Option<InFlight> {
-        self.records.remove(&seq)
+        let i = self.index(seq)?;
+        let record = self.records[i].take();
+        while matches!(self.records.front(), Some(None)) {
+            self.records.pop_front();
+            self.first += 1;
+        }
+        record
+    }
+
+    /// The oldest record still in flight (the front of the deque).
+    pub fn oldest(&self) -> Option<&InFlight> {
+        self.records.front().and_then(Option::as_ref)
     }
 
     /// Schedules `seq` to be published again at `due`.
@@ -139,10 +165,47 @@ impl InFlightTable {
                 break;
             }
             self.retries.pop();
-            if self.records.contains_key(&seq) {
+            if self.contains(seq) {
                 due.push(seq);
             }
         }
         due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(lsn: u64) -> InFlight {
+        InFlight {
+            txn: crate::watermark::AckWatermark::new(Lsn::ZERO).hold(0),
+            lsn: Lsn(lsn),
+            commit_lsn: Lsn(lsn),
+            commit_time_us: lsn as i64,
+            content: Bytes::new(),
+            attempts: 0,
+            first_error: None,
+        }
+    }
+
+    #[test]
+    fn the_oldest_is_the_first_unsettled_and_seqs_are_never_reused() {
+        let mut t = InFlightTable::default();
+        let a = t.insert(record(1));
+        let b = t.insert(record(2));
+        let c = t.insert(record(3));
+        assert_eq!((a, b, c), (0, 1, 2));
+        assert!(t.remove(b).is_some());
+        assert_eq!(t.oldest().map(|r| r.lsn), Some(Lsn(1)));
+        assert!(t.remove(a).is_some());
+        assert_eq!(t.oldest().map(|r| r.lsn), Some(Lsn(3)));
+        assert!(t.remove(b).is_none(), "settled twice");
+        assert!(t.get_mut(a).is_none());
+        assert!(t.remove(c).is_some());
+        assert!(t.oldest().is_none());
+        assert_eq!(t.insert(record(4)), 3);
+        assert!(t.get_mut(3).is_some());
+        assert!(t.get_mut(99).is_none());
     }
 }

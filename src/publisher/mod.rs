@@ -106,6 +106,25 @@ pub struct PublisherConfig {
     pub exchange: String,
     /// Shown in RabbitMQ's connection list.
     pub connection_name: String,
+    /// Flags the connection's event watcher keeps up to date.
+    pub signals: BrokerSignals,
+}
+
+/// What the connection's event watcher reports, as flags other tasks read.
+///
+/// `blocked` is true while RabbitMQ blocks the connection (`connection.blocked`, sent when a
+/// memory or disk alarm is raised and the connection publishes; each start and end is
+/// logged); `lost` turns true when the connection or the channel fails (the pipeline
+/// notices the same at its next status tick and reconnects). lapin stops sending frames
+/// while blocked, so publishes wait and confirms stop; nothing here changes that. lapin
+/// hands each connection event to one listener only, so this is the connection's single
+/// event watcher.
+#[derive(Debug, Clone, Default)]
+pub struct BrokerSignals {
+    /// True while the broker blocks the connection.
+    pub blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// True once the connection or the channel failed.
+    pub lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for PublisherConfig {
@@ -166,13 +185,27 @@ impl<T: Send + 'static> Publisher<T> {
         let close_reason = CloseReason::default();
         let mut events = connection.events_listener();
         let recorder = close_reason.clone();
+        let signals = config.signals.clone();
         let events_task = tokio::spawn(async move {
             use futures::StreamExt;
+            use std::sync::atomic::Ordering;
             while let Some(event) = events.next().await {
-                if let lapin::Event::Error(e) = event {
-                    if broker_reply(&e).is_some() {
-                        recorder.record(describe_lapin_error(&e));
+                match event {
+                    lapin::Event::Error(e) => {
+                        signals.lost.store(true, Ordering::Relaxed);
+                        if broker_reply(&e).is_some() {
+                            recorder.record(describe_lapin_error(&e));
+                        }
                     }
+                    lapin::Event::ConnectionBlocked(reason) => {
+                        signals.blocked.store(true, Ordering::Relaxed);
+                        tracing::warn!(reason = %reason, "RabbitMQ blocked the connection (connection.blocked: memory or disk alarm); publishes wait until it clears, nothing unconfirmed is acknowledged");
+                    }
+                    lapin::Event::ConnectionUnblocked => {
+                        signals.blocked.store(false, Ordering::Relaxed);
+                        tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
+                    }
+                    _ => {}
                 }
             }
         });

@@ -25,6 +25,8 @@ fn pgoutbox_env(args: &[&str], env: &[(&str, &str)]) -> Output {
             cmd.env_remove(k);
         }
     }
+    // Tests run in parallel: no two may take the default metrics address.
+    cmd.env("PGOUTBOX_HTTP_ADDR", "off");
     cmd.args(args)
         .envs(env.iter().copied())
         .env("NO_COLOR", "1")

@@ -16,6 +16,8 @@ fn pgoutbox(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
         .args(args)
         .env("NO_COLOR", "1")
+        // Tests run in parallel: no two may take the default metrics address.
+        .env("PGOUTBOX_HTTP_ADDR", "off")
         .output()
         .expect("run pgoutbox")
 }

@@ -67,6 +67,7 @@ impl<'a> Outbox<'a> {
         std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
             .args(&full)
             .env("NO_COLOR", "1")
+            .env("PGOUTBOX_HTTP_ADDR", "off")
             .output()
             .expect("run pgoutbox")
     }

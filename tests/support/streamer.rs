@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 /// A running `pgoutbox` process. stdout+stderr go to `log_path()` in a
 /// private temp dir. Inherited `PGOUTBOX_*` variables (except
-/// `PGOUTBOX_TEST_*`) are removed so tests are hermetic; `RUST_LOG=info` unless
+/// `PGOUTBOX_TEST_*`) are removed so tests are hermetic, and `PGOUTBOX_HTTP_ADDR=off`
+/// unless the caller's env list or `--http-addr` says otherwise; `RUST_LOG=info` unless
 /// the caller's env list or the test environment sets it. Killed on Drop.
 #[derive(Debug)]
 pub struct Streamer {
@@ -56,6 +57,9 @@ impl Streamer {
             cmd.env("RUST_LOG", "info");
         }
         cmd.env("NO_COLOR", "1");
+        // Many streamers run at once: the default metrics address would collide. Tests that
+        // scrape pass their own --http-addr (or PGOUTBOX_HTTP_ADDR in `env`).
+        cmd.env("PGOUTBOX_HTTP_ADDR", "off");
         cmd.args(args)
             .envs(env.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
             .current_dir(dir.path())

@@ -1,0 +1,351 @@
+//! Issue 7, "Metrics and health": `/metrics`, `/healthz` and `/readyz` scraped over HTTP
+//! from the real binary during a real stream, a blocked broker and a stopped broker.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use crate::support::{self, scaled, scaled_count, Outbox, Postgres, RabbitMq, Streamer};
+
+/// One HTTP GET: (status code, body). `None` when nothing answers.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// The value of the sample `series` (a name, with its labels if any) in a scrape.
+fn sample(scrape: &str, series: &str) -> Option<f64> {
+    scrape.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        let value = rest.strip_prefix(' ')?;
+        value.split(' ').next()?.parse().ok()
+    })
+}
+
+fn scrape(port: u16) -> String {
+    match get(port, "/metrics") {
+        Some((200, body)) => body,
+        other => panic!("scrape failed: {other:?}"),
+    }
+}
+
+fn metric(port: u16, series: &str) -> f64 {
+    let text = scrape(port);
+    sample(&text, series).unwrap_or_else(|| panic!("{series} missing:\n{text}"))
+}
+
+/// The lines of a scrape that tell the stall story.
+fn stall_lines(text: &str) -> String {
+    text.lines()
+        .filter(|l| {
+            [
+                "pgoutbox_oldest_unconfirmed_age_seconds ",
+                "pgoutbox_unconfirmed_messages ",
+                "pgoutbox_stalled ",
+                "pgoutbox_broker_blocked ",
+                "pgoutbox_replication_lag_bytes ",
+                "pgoutbox_messages_confirmed_total ",
+                "pgoutbox_since_status_update_seconds ",
+            ]
+            .iter()
+            .any(|p| l.starts_with(p))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn readyz(port: u16) -> Option<(u16, String)> {
+    get(port, "/readyz")
+}
+
+fn assert_healthy(port: u16, streamer: &Streamer) {
+    let h = get(port, "/healthz");
+    assert!(
+        matches!(&h, Some((200, _))),
+        "/healthz: {h:?}\n{}",
+        streamer.log()
+    );
+}
+
+async fn wait_ready(port: u16, streamer: &Streamer, timeout: Duration) {
+    let ok =
+        support::wait_until(timeout, || async { matches!(readyz(port), Some((200, _))) }).await;
+    assert!(
+        ok,
+        "/readyz never 200: {:?}\n{}",
+        readyz(port),
+        streamer.log()
+    );
+}
+
+/// Published and confirmed counts equal N, the histogram counted N, lag falls near zero once
+/// drained; while the broker is blocked (memory alarm) the oldest-unconfirmed age grows and
+/// `/readyz` says `broker_blocked` (or `stalled`), `/healthz` stays 200; after the alarm
+/// clears everything returns to 0 and 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_a_stream_and_a_blocked_broker() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_stream").await;
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let streamer = ob.run(&["--http-addr", &addr, "--stall-after-s", "3"]);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    assert_healthy(port, &streamer);
+
+    let n = scaled_count(2000);
+    ob.sql(&format!(
+        "SELECT count(outbox.emit('obs', '{{}}', '{{}}', 'obs-' || g)) FROM generate_series(1, {n}) g"
+    ));
+    let got = ob.drain(n, scaled(Duration::from_secs(30))).await;
+    assert_eq!(got.len(), n);
+    let settled = support::wait_until(scaled(Duration::from_secs(20)), || async {
+        let t = scrape(port);
+        sample(&t, "pgoutbox_messages_confirmed_total") == Some(n as f64)
+            && sample(&t, "pgoutbox_unconfirmed_messages") == Some(0.0)
+    })
+    .await;
+    let text = scrape(port);
+    assert!(settled, "{text}");
+    assert_eq!(
+        sample(&text, "pgoutbox_messages_published_total"),
+        Some(n as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "pgoutbox_confirm_latency_seconds_count"),
+        Some(n as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "pgoutbox_oldest_unconfirmed_age_seconds"),
+        Some(0.0)
+    );
+    // Lag near zero once drained: the idle watermark follows the keepalives.
+    let lag_low = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        metric(port, "pgoutbox_replication_lag_bytes") < 64.0 * 1024.0
+    })
+    .await;
+    assert!(lag_low, "lag stays high:\n{}", stall_lines(&scrape(port)));
+    let flush = metric(port, "pgoutbox_flush_lsn_bytes");
+    assert!(flush > 0.0);
+    assert!(metric(port, "pgoutbox_sessions_started_total") >= 1.0);
+
+    // The memory alarm: the next publish is held by the broker.
+    rmq.block();
+    ob.sql("SELECT outbox.emit('obs', '{}', '{}', 'obs-blocked')");
+    let not_ready = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        matches!(readyz(port), Some((503, body)) if body.contains("\"broker_blocked\"") || body.contains("\"stalled\""))
+    })
+    .await;
+    assert!(
+        not_ready,
+        "/readyz while blocked: {:?}\n{}",
+        readyz(port),
+        streamer.log()
+    );
+    let first_age = metric(port, "pgoutbox_oldest_unconfirmed_age_seconds");
+    // Past --stall-after-s the stream is stalled too, and the age keeps growing.
+    let stalled = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        metric(port, "pgoutbox_stalled") == 1.0
+    })
+    .await;
+    assert!(stalled, "{}", stall_lines(&scrape(port)));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let during = scrape(port);
+    let later_age = sample(&during, "pgoutbox_oldest_unconfirmed_age_seconds").unwrap();
+    eprintln!(
+        "scrape during the stall:\n{}\n/readyz: {:?}",
+        stall_lines(&during),
+        readyz(port)
+    );
+    assert!(
+        later_age > first_age && later_age >= 3.0,
+        "age grows while blocked: {first_age} then {later_age}"
+    );
+    assert_eq!(sample(&during, "pgoutbox_unconfirmed_messages"), Some(1.0));
+    assert_eq!(
+        sample(&during, "pgoutbox_broker_blocked"),
+        Some(1.0),
+        "lapin reported connection.blocked:\n{}",
+        streamer.log()
+    );
+    assert!(
+        streamer
+            .wait_for_log(
+                "RabbitMQ blocked the connection",
+                scaled(Duration::from_secs(5))
+            )
+            .await
+    );
+    assert!(
+        streamer
+            .wait_for_log(
+                "stalled: no message settled",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "the stall is logged"
+    );
+    assert_healthy(port, &streamer);
+
+    rmq.unblock();
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    let back = support::wait_until(scaled(Duration::from_secs(20)), || async {
+        let t = scrape(port);
+        sample(&t, "pgoutbox_oldest_unconfirmed_age_seconds") == Some(0.0)
+            && sample(&t, "pgoutbox_messages_confirmed_total") == Some(n as f64 + 1.0)
+            && sample(&t, "pgoutbox_stalled") == Some(0.0)
+            && sample(&t, "pgoutbox_broker_blocked") == Some(0.0)
+    })
+    .await;
+    assert!(back, "{}", stall_lines(&scrape(port)));
+    assert!(
+        streamer
+            .wait_for_log(
+                "RabbitMQ unblocked the connection",
+                scaled(Duration::from_secs(5))
+            )
+            .await
+    );
+    assert_healthy(port, &streamer);
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// `/readyz` turns 503 when RabbitMQ stops (`stop_app`) and 200 when it is back;
+/// `/healthz` stays 200 all along, including the reconnect waits; the reconnect is
+/// counted with cause `broker`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_the_broker_going_away_and_back() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_stop").await;
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let streamer = ob.run(&["--http-addr", &addr]);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+
+    rmq.stop_app();
+    let down = support::wait_until(scaled(Duration::from_secs(40)), || async {
+        matches!(readyz(port), Some((503, body)) if body.contains("\"connecting\"") || body.contains("\"broker_disconnected\""))
+    })
+    .await;
+    assert!(down, "/readyz: {:?}\n{}", readyz(port), streamer.log());
+    // Through several reconnect attempts, the process stays live.
+    for _ in 0..10 {
+        assert_healthy(port, &streamer);
+        assert!(matches!(readyz(port), Some((503, _))));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    rmq.start_app();
+    wait_ready(port, &streamer, scaled(Duration::from_secs(60))).await;
+    assert_healthy(port, &streamer);
+    let text = scrape(port);
+    assert!(
+        sample(&text, "pgoutbox_reconnects_total{cause=\"broker\"}").unwrap_or(0.0) >= 1.0,
+        "{text}"
+    );
+    assert!(sample(&text, "pgoutbox_sessions_started_total").unwrap_or(0.0) >= 2.0);
+    // And it streams again.
+    ob.sql("SELECT outbox.emit('obs', '{}', '{}', 'obs-after')");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
+
+/// An `--http-addr` that cannot be listened on (a port in use) or that does not parse fails
+/// at startup naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_addr_in_use_or_unparsable_fails_at_startup() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_addr").await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let streamer = ob.run(&["--http-addr", &format!("127.0.0.1:{port}")]);
+    let status = streamer
+        .wait_exit(scaled(Duration::from_secs(20)))
+        .await
+        .expect("exits");
+    assert!(!status.success());
+    assert!(
+        streamer.log().contains("--http-addr (PGOUTBOX_HTTP_ADDR)"),
+        "{}",
+        streamer.log()
+    );
+    drop(taken);
+    let bad = ob.run(&["--http-addr", "nonsense"]);
+    let status = bad
+        .wait_exit(scaled(Duration::from_secs(20)))
+        .await
+        .expect("exits");
+    assert!(!status.success());
+    assert!(bad.log().contains("--http-addr"), "{}", bad.log());
+}
+
+/// A second streamer on a held slot is a standby: live, not ready (`slot_busy`), its tries
+/// counted as reconnects with cause `slot_busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_live_but_not_ready() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_standby").await;
+    let active_port = support::free_port();
+    let active = ob.run(&["--http-addr", &format!("127.0.0.1:{active_port}")]);
+    wait_ready(active_port, &active, scaled(Duration::from_secs(30))).await;
+    let port = support::free_port();
+    let standby = ob.run(&["--http-addr", &format!("127.0.0.1:{port}")]);
+    let busy = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        matches!(readyz(port), Some((503, body)) if body.contains("\"slot_busy\""))
+    })
+    .await;
+    assert!(busy, "/readyz: {:?}\n{}", readyz(port), standby.log());
+    assert_healthy(port, &standby);
+    let counted = support::wait_until(scaled(Duration::from_secs(20)), || async {
+        sample(
+            &scrape(port),
+            "pgoutbox_reconnects_total{cause=\"slot_busy\"}",
+        )
+        .unwrap_or(0.0)
+            >= 2.0
+    })
+    .await;
+    assert!(counted, "{}", scrape(port));
+    assert_eq!(
+        sample(&scrape(port), "pgoutbox_sessions_started_total"),
+        Some(0.0)
+    );
+    assert!(matches!(readyz(active_port), Some((200, _))));
+    standby.sigterm();
+    active.sigterm();
+    assert!(standby
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+    assert!(active
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
