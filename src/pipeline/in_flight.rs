@@ -9,7 +9,7 @@
 //! write them as dead letters.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap};
 
 use bytes::Bytes;
 use lapin::types::ShortString;
@@ -94,15 +94,14 @@ impl InFlight {
 
 /// In-flight records by [`Seq`], and the retry schedule.
 ///
-/// Sequence numbers are handed out in WAL order and never reused, so the records sit in a
-/// deque indexed by `seq - first` (a settled record leaves a hole until the front is
-/// settled): lookups are O(1) and the oldest unsettled record is at the front. The deque
-/// is bounded by the window, which counts every message not yet acknowledged.
+/// Sequence numbers are handed out in WAL order and never reused. The records sit in an
+/// ordered map, so the oldest unsettled record is the first entry, and memory follows the
+/// records still in flight only: a stuck message at the front of a transaction larger than
+/// the window leaves no trail of settled slots behind it.
 #[derive(Debug, Default)]
 pub(super) struct InFlightTable {
-    records: VecDeque<Option<InFlight>>,
-    /// The sequence number of `records[0]`.
-    first: Seq,
+    records: BTreeMap<Seq, InFlight>,
+    next_seq: Seq,
     /// Messages waiting to be published again: (due, seq), earliest first.
     retries: BinaryHeap<Reverse<(Instant, Seq)>>,
 }
@@ -110,40 +109,29 @@ pub(super) struct InFlightTable {
 impl InFlightTable {
     /// Adds a record; returns its sequence number.
     pub fn insert(&mut self, record: InFlight) -> Seq {
-        let seq = self.first + self.records.len() as Seq;
-        self.records.push_back(Some(record));
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.records.insert(seq, record);
         seq
-    }
-
-    fn index(&self, seq: Seq) -> Option<usize> {
-        let i = usize::try_from(seq.checked_sub(self.first)?).ok()?;
-        (i < self.records.len()).then_some(i)
     }
 
     /// The record of `seq`, if still in flight.
     pub fn get_mut(&mut self, seq: Seq) -> Option<&mut InFlight> {
-        let i = self.index(seq)?;
-        self.records[i].as_mut()
+        self.records.get_mut(&seq)
     }
 
     fn contains(&self, seq: Seq) -> bool {
-        self.index(seq).is_some_and(|i| self.records[i].is_some())
+        self.records.contains_key(&seq)
     }
 
     /// Removes the record of `seq` (it was settled, or handed to the dead-letter writer).
     pub fn remove(&mut self, seq: Seq) -> Option<InFlight> {
-        let i = self.index(seq)?;
-        let record = self.records[i].take();
-        while matches!(self.records.front(), Some(None)) {
-            self.records.pop_front();
-            self.first += 1;
-        }
-        record
+        self.records.remove(&seq)
     }
 
-    /// The oldest record still in flight (the front of the deque).
+    /// The oldest record still in flight.
     pub fn oldest(&self) -> Option<&InFlight> {
-        self.records.front().and_then(Option::as_ref)
+        self.records.first_key_value().map(|(_, r)| r)
     }
 
     /// Schedules `seq` to be published again at `due`.
