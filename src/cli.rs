@@ -7,8 +7,9 @@ use clap::{Args, Parser, Subcommand};
 use crate::config::{
     RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP, DEFAULT_EXCHANGE,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
-    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT, DEFAULT_STALL_AFTER,
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
+    DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    DEFAULT_STALL_AFTER,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 
@@ -224,6 +225,11 @@ pub struct RunArgs {
     /// Seconds a SIGINT/SIGTERM waits for outstanding confirms (0 to 86400, one day).
     #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", default_value_t = DEFAULT_SHUTDOWN_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub shutdown_timeout_s: u64,
+    /// Milliseconds to keep collecting broker confirms after the Postgres connection broke,
+    /// so messages the broker already has are not sent again after the reconnect (0 to
+    /// 600000; it ends early once nothing is unconfirmed).
+    #[arg(long, env = "PGOUTBOX_POSTGRES_LOSS_DRAIN_MS", default_value_t = DEFAULT_POSTGRES_LOSS_DRAIN.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    pub postgres_loss_drain_ms: u64,
     /// Instance id shown in application_name and the RabbitMQ connection name
     /// (default: hostname-pid).
     #[arg(long, env = "PGOUTBOX_INSTANCE_ID")]
@@ -301,6 +307,7 @@ impl RunArgs {
             broker_max_message_bytes: self.broker_max_message_bytes,
             failpoint: self.failpoint,
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
+            postgres_loss_drain: Duration::from_millis(self.postgres_loss_drain_ms),
             read_coalesce: Duration::from_micros(self.read_coalesce_us),
             instance_id,
             http_addr: self.http_addr.0,

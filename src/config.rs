@@ -139,6 +139,12 @@ pub enum UnroutablePolicy {
 
 /// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a session whose Postgres connection broke keeps collecting broker confirms
+/// (`--postgres-loss-drain-ms`), so that messages the broker already has are not sent again
+/// after the reconnect: a few seconds cover a healthy broker's confirm latency many times over.
+pub const DEFAULT_POSTGRES_LOSS_DRAIN: Duration = Duration::from_secs(5);
+/// Largest `--postgres-loss-drain-ms`: ten minutes; the reconnect waits that long at worst.
+pub const POSTGRES_LOSS_DRAIN_CAP: Duration = Duration::from_secs(600);
 /// The logical decoding message prefix of our envelopes.
 pub const MESSAGE_PREFIX: &str = "pgoutbox";
 
@@ -338,6 +344,9 @@ pub struct RunConfig {
     pub failpoint: Option<Failpoint>,
     /// How long shutdown waits for outstanding confirms.
     pub shutdown_timeout: Duration,
+    /// How long to keep collecting broker confirms after the Postgres connection broke
+    /// (it ends early once nothing is unconfirmed).
+    pub postgres_loss_drain: Duration,
     /// Minimum time between two reads of the replication socket when the previous read was
     /// small (ms-scale; zero reads as soon as bytes arrive). Bytes arriving on an idle stream
     /// are read at once; under a steady trickle of small transactions they are read at most
@@ -365,6 +374,7 @@ impl std::fmt::Debug for RunConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("slot_busy_timeout", &self.slot_busy_timeout)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("postgres_loss_drain", &self.postgres_loss_drain)
             .field("read_coalesce", &self.read_coalesce)
             .field("on_unroutable", &self.on_unroutable)
             .field("max_attempts", &self.max_attempts)
@@ -468,6 +478,13 @@ impl RunConfig {
             0,
             SHUTDOWN_TIMEOUT_CAP.as_secs(),
             "seconds",
+        )?;
+        check_range(
+            "--postgres-loss-drain-ms",
+            self.postgres_loss_drain.as_millis(),
+            0,
+            POSTGRES_LOSS_DRAIN_CAP.as_millis(),
+            "milliseconds",
         )?;
         if self.read_coalesce > MAX_READ_COALESCE {
             return Err(ValidationError {
@@ -599,6 +616,7 @@ mod tests {
             broker_max_message_bytes: None,
             failpoint: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            postgres_loss_drain: DEFAULT_POSTGRES_LOSS_DRAIN,
             read_coalesce: DEFAULT_READ_COALESCE,
             instance_id: "test".into(),
             http_addr: None,
@@ -654,7 +672,7 @@ mod tests {
     fn every_numeric_and_duration_setting_has_bounds() {
         type Set = fn(&mut RunConfig, u64);
         // (setting, how to set it, lowest accepted, highest accepted)
-        let cases: [(&str, Set, u64, u64); 8] = [
+        let cases: [(&str, Set, u64, u64); 9] = [
             (
                 "--max-in-flight",
                 |c, v| c.max_in_flight = v as usize,
@@ -691,6 +709,12 @@ mod tests {
                 |c, v| c.shutdown_timeout = Duration::from_secs(v),
                 0,
                 86_400,
+            ),
+            (
+                "--postgres-loss-drain-ms",
+                |c, v| c.postgres_loss_drain = Duration::from_millis(v),
+                0,
+                600_000,
             ),
             (
                 "--read-coalesce-us",

@@ -34,9 +34,6 @@ use crate::watermark::AckWatermark;
 const FRAME_BATCH: usize = 2048;
 /// A read of fewer bytes than this delays the next one by `RunConfig::read_coalesce`.
 const COALESCE_BELOW_BYTES: usize = 64 * 1024;
-/// How long a session whose Postgres connection broke keeps collecting broker confirms, so
-/// messages already confirmed are not sent again after the reconnect.
-pub const PG_LOSS_DRAIN: Duration = Duration::from_secs(5);
 /// Retry delay bounds for a nacked message (doubling from the minimum).
 const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
 const NACK_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -286,7 +283,10 @@ impl Core {
             Error::Replication(_) if self.wm.unconfirmed() > 0 => {
                 tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
                 self.telemetry.set_phase(Phase::ReplicationLost);
-                Ok(Some(Drain::PostgresLost(Instant::now() + PG_LOSS_DRAIN, e)))
+                Ok(Some(Drain::PostgresLost(
+                    Instant::now() + self.config.postgres_loss_drain,
+                    e,
+                )))
             }
             e => Err(e),
         }
