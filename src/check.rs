@@ -64,8 +64,17 @@ pub async fn check(config: &RunConfig) -> Vec<Finding> {
 
 fn precondition(out: &mut Vec<Finding>, subject: &str, result: Result<(), Error>) {
     if let Err(e) = result {
-        out.push(finding(Severity::Problem, subject, render_report(&e)));
+        out.push(finding(Severity::Problem, subject, report(&e)));
     }
+}
+
+/// The error and its causes on one line, without the `error: ` that `render_report`
+/// starts with (the line's tag says it).
+fn report(e: &Error) -> String {
+    let text = render_report(e);
+    text.strip_prefix("error: ")
+        .unwrap_or(&text)
+        .replace("\n  ", "; ")
 }
 
 async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
@@ -76,7 +85,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
     let client = match client {
         Ok(c) => c,
         Err(e) => {
-            out.push(finding(Severity::Problem, "postgres", render_report(&e)));
+            out.push(finding(Severity::Problem, "postgres", report(&e)));
             return;
         }
     };
@@ -99,7 +108,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         Ok(r) => r,
         Err(e) => {
             let e = Error::sql("reading the server settings", e);
-            out.push(finding(Severity::Problem, "postgres", render_report(&e)));
+            out.push(finding(Severity::Problem, "postgres", report(&e)));
             return;
         }
     };
@@ -180,7 +189,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
                 Some("lost") => out.push(finding(
                     Severity::Problem,
                     "slot",
-                    render_report(&Error::SlotLost {
+                    report(&Error::SlotLost {
                         slot: slot.clone(),
                         confirmed_flush_lsn: s.confirmed_flush_lsn.clone().unwrap_or_default(),
                     }),
@@ -207,7 +216,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
             }
         }
         Err(e) => {
-            let mut text = render_report(&e);
+            let mut text = report(&e);
             if used_slots >= max_slots {
                 text.push_str(&format!("; and all {max_slots} replication slots are in use: raise max_replication_slots or drop an unused slot first"));
             }
@@ -226,7 +235,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
             "publication",
             format!("publication {publication:?} does not exist in this database; run `pgoutbox setup --slot {slot} --publication {publication}` or fix --publication"),
         )),
-        Err(e) => out.push(finding(Severity::Problem, "publication", render_report(&e))),
+        Err(e) => out.push(finding(Severity::Problem, "publication", report(&e))),
     }
     precondition(
         out,
@@ -347,13 +356,7 @@ async fn broker_product(amqp_url: &str) -> Result<String, String> {
                     Some(other) => format!("{other:?}"),
                     None => "?".into(),
                 };
-                return Ok(format!(
-                    "{} {} (AMQP {}-{})",
-                    text("product"),
-                    text("version"),
-                    start.version_major,
-                    start.version_minor
-                ));
+                return Ok(format!("{} {}", text("product"), text("version")));
             }
             Ok((_, frame)) => {
                 return Err(format!(
