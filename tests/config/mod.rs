@@ -4,7 +4,7 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use crate::support::{scaled, unique, Outbox, Postgres, RabbitMq, Streamer};
+use crate::support::{scaled, unique, wait_until, Outbox, Postgres, RabbitMq, Streamer};
 
 /// Runs the binary under test (or `PGOUTBOX_TEST_BIN`) to completion, with inherited
 /// `PGOUTBOX_*` variables removed and `env` added.
@@ -81,9 +81,13 @@ async fn run_takes_the_file_below_env_and_flags() {
             ("PGOUTBOX_MAX_IN_FLIGHT_BYTES", "3333"),
         ],
     );
+    // Until it streams, or exits (an older binary refuses --config at once).
+    wait_until(scaled(Duration::from_secs(60)), || async {
+        run.log().contains("streaming") || run.try_status().is_some()
+    })
+    .await;
     assert!(
-        run.wait_for_log("streaming", scaled(Duration::from_secs(60)))
-            .await,
+        run.log().contains("streaming"),
         "no streaming line: {}",
         run.log()
     );
