@@ -38,6 +38,9 @@ pub enum Command {
     Setup(SetupArgs),
     /// Stream outbox messages to RabbitMQ until SIGINT/SIGTERM.
     Run(RunArgs),
+    /// Check what `run` needs (settings, both servers, slot, publication, exchange)
+    /// without changing anything; exits 1 if `run` would stop, with the fix.
+    Check(RunArgs),
     /// Show the slot: active, confirmed_flush_lsn, lag in bytes.
     Status(StatusArgs),
     /// Drop the slot and the publication.
@@ -163,7 +166,8 @@ pub fn parse_whole_number<T: std::str::FromStr>(text: &str) -> Result<T, String>
 }
 
 /// What `run` does with a message the broker returns as unroutable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum OnUnroutable {
     /// Write it to outbox.dead_letter and go on.
     DeadLetter,
@@ -197,6 +201,10 @@ pub struct SetupArgs {
 /// `run` arguments.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
+    /// TOML file of settings, keys named like these flags with _ for - (database_url,
+    /// max_in_flight, ...); a flag or variable overrides the file.
+    #[arg(long, env = "PGOUTBOX_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
     /// Database and slot.
     #[command(flatten)]
     pub db: DbArgs,

@@ -21,8 +21,10 @@
 //! Replication Protocol", and the RabbitMQ docs, "Publisher Confirms".
 
 pub mod admin;
+pub mod check;
 pub mod cli;
 pub mod config;
+pub mod config_file;
 pub mod envelope;
 pub mod error;
 pub mod lsn;

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force};
 use pgoutbox::config::{parse_database_url, validate_identifier};
 use pgoutbox::error::{render_report, Error};
@@ -13,13 +12,23 @@ use pgoutbox::{admin, pipeline};
 const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Flags, then variables, then the --config file (a bad file is a usage error too).
+    let (cli, file) = match pgoutbox::config_file::parse_cli() {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("{}", render_report(&e));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     // Settings are checked before anything else happens, so a bad one is a usage error
     // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
     // u64::MAX seconds used to overflow `Instant` at SIGTERM).
-    if let Command::Run(args) = &cli.command {
+    if let Command::Run(args) | Command::Check(args) = &cli.command {
         if let Err(e) = args.clone().into_config().validate() {
             eprintln!("{}", render_report(&e));
+            if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
+                eprintln!("  {note}");
+            }
             return ExitCode::from(EXIT_USAGE);
         }
     }
@@ -166,6 +175,15 @@ async fn try_main(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::DeadLetters(cmd) => dead_letters(cmd).await,
+        Command::Check(args) => {
+            let findings = pgoutbox::check::check(&args.into_config()).await;
+            match pgoutbox::check::print(&findings) {
+                0 => Ok(()),
+                n => Err(Error::Precondition(format!(
+                    "check found {n} problem(s) that would stop `run`"
+                ))),
+            }
+        }
         Command::Run(args) => {
             let config = args.into_config();
             let (tx, rx) = tokio::sync::watch::channel(false);

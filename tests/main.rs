@@ -4,6 +4,7 @@ mod support;
 
 mod chaos;
 mod cli;
+mod config;
 mod end_to_end;
 mod errors;
 mod faults;

@@ -1,0 +1,408 @@
+//! `pgoutbox check`: what `run` needs, inspected without creating or changing anything.
+//!
+//! Each finding is `ok` (a value found), a `warning` (printed; `run` works) or a `problem`
+//! (`run` would stop), with the fix. Postgres is read over plain SQL with the same checks
+//! `run`'s pre-flight makes ([`crate::admin`]); the broker is asked twice: a raw AMQP
+//! handshake up to `connection.start` for its product and version (lapin does not expose
+//! the server properties), then a lapin connection for a passive `exchange.declare` on a
+//! throwaway channel.
+
+use std::time::Duration;
+
+use amq_protocol::frame::{parse_frame, AMQPFrame};
+use amq_protocol::protocol::{connection::AMQPMethod, AMQPClass};
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::admin;
+use crate::config::{parse_database_url, RunConfig};
+use crate::error::{render_report, Error};
+
+/// How bad a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    /// A value found; nothing to do.
+    Ok,
+    /// `run` works, but an operator should look.
+    Warning,
+    /// `run` would stop.
+    Problem,
+}
+
+/// One line of `check`'s report.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    /// How bad.
+    pub severity: Severity,
+    /// What was looked at, e.g. `wal_level`.
+    pub subject: String,
+    /// What was found (and, for a warning or problem, the fix).
+    pub text: String,
+}
+
+fn finding(severity: Severity, subject: &str, text: impl Into<String>) -> Finding {
+    Finding {
+        severity,
+        subject: subject.to_owned(),
+        text: text.into(),
+    }
+}
+
+/// How long each server may take to answer `check`.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Inspects both servers for `config` (already validated). Never fails: an unreachable
+/// server is a problem finding.
+pub async fn check(config: &RunConfig) -> Vec<Finding> {
+    let mut out = vec![finding(Severity::Ok, "settings", "valid")];
+    postgres(config, &mut out).await;
+    broker(config, &mut out).await;
+    out
+}
+
+fn precondition(out: &mut Vec<Finding>, subject: &str, result: Result<(), Error>) {
+    if let Err(e) = result {
+        out.push(finding(Severity::Problem, subject, report(&e)));
+    }
+}
+
+/// The error and its causes on one line, without the `error: ` that `render_report`
+/// starts with (the line's tag says it).
+fn report(e: &Error) -> String {
+    let text = render_report(e);
+    text.strip_prefix("error: ")
+        .unwrap_or(&text)
+        .replace("\n  ", "; ")
+}
+
+async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
+    let client = match parse_database_url(&config.database_url) {
+        Ok(pg) => admin::connect(&pg).await,
+        Err(e) => Err(Error::Config(e)),
+    };
+    let client = match client {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(finding(Severity::Problem, "postgres", report(&e)));
+            return;
+        }
+    };
+    let row = match client
+        .query_one(
+            "SELECT current_setting('server_version'),
+                    current_setting('server_version_num')::int,
+                    current_setting('wal_level'),
+                    current_setting('max_replication_slots')::int,
+                    (SELECT count(*)::int FROM pg_replication_slots),
+                    current_setting('max_wal_senders')::int,
+                    (SELECT count(*)::int FROM pg_stat_replication),
+                    current_setting('max_slot_wal_keep_size'),
+                    current_user::text,
+                    (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user)",
+            &[],
+        )
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let e = Error::sql("reading the server settings", e);
+            out.push(finding(Severity::Problem, "postgres", report(&e)));
+            return;
+        }
+    };
+    let (version, version_num): (String, i32) = (row.get(0), row.get(1));
+    let wal_level: String = row.get(2);
+    let (max_slots, used_slots, max_senders, used_senders): (i32, i32, i32, i32) =
+        (row.get(3), row.get(4), row.get(5), row.get(6));
+    let keep: String = row.get(7);
+    let (user, replication): (String, Option<bool>) = (row.get(8), row.get(9));
+    out.push(finding(
+        if version_num >= 140_000 {
+            Severity::Ok
+        } else {
+            Severity::Problem
+        },
+        "postgres version",
+        if version_num >= 140_000 {
+            version
+        } else {
+            format!("{version}; pgoutbox needs PostgreSQL 14 or newer: upgrade the server")
+        },
+    ));
+    out.push(finding(Severity::Ok, "wal_level", wal_level));
+    precondition(out, "wal_level", admin::check_wal_level(&client).await);
+    out.push(finding(
+        Severity::Ok,
+        "max_replication_slots",
+        format!("{max_slots} ({used_slots} used)"),
+    ));
+    out.push(finding(
+        Severity::Ok,
+        "max_wal_senders",
+        format!("{max_senders} ({used_senders} used)"),
+    ));
+    out.push(finding(
+        Severity::Ok,
+        "role",
+        format!(
+            "{user:?}, REPLICATION {}",
+            if replication == Some(true) {
+                "yes"
+            } else {
+                "no"
+            }
+        ),
+    ));
+    precondition(out, "role", admin::check_replication_role(&client).await);
+    let slot = &config.slot;
+    match admin::slot_status(&client, slot).await {
+        Ok(s) => {
+            out.push(finding(
+                Severity::Ok,
+                "slot",
+                format!(
+                    "{slot:?} plugin {}, wal_status {}, confirmed_flush_lsn {}, lag {} bytes, {}",
+                    s.plugin.as_deref().unwrap_or("(none)"),
+                    s.wal_status.as_deref().unwrap_or("-"),
+                    s.confirmed_flush_lsn.as_deref().unwrap_or("-"),
+                    s.lag_bytes.map(|l| l.to_string()).unwrap_or("-".into()),
+                    match (s.active, s.active_pid, &s.holder) {
+                        (false, _, _) => "inactive".to_owned(),
+                        (true, pid, holder) => format!(
+                            "active (pid {}, {})",
+                            pid.map(|p| p.to_string()).unwrap_or("?".into()),
+                            holder.as_deref().unwrap_or("unknown application")
+                        ),
+                    }
+                ),
+            ));
+            if s.plugin.as_deref() != Some("pgoutput") {
+                out.push(finding(
+                    Severity::Problem,
+                    "slot",
+                    format!("slot {slot:?} does not use pgoutput; pick another --slot, or drop it (SELECT pg_drop_replication_slot('{slot}')) and recreate it with `pgoutbox setup --slot {slot}`"),
+                ));
+            }
+            match s.wal_status.as_deref() {
+                Some("lost") => out.push(finding(
+                    Severity::Problem,
+                    "slot",
+                    report(&Error::SlotLost {
+                        slot: slot.clone(),
+                        confirmed_flush_lsn: s.confirmed_flush_lsn.clone().unwrap_or_default(),
+                    }),
+                )),
+                Some("unreserved") => out.push(finding(
+                    Severity::Warning,
+                    "slot",
+                    format!("slot {slot:?} is unreserved: the WAL it needs is about to be removed; start `pgoutbox run` now, or raise max_slot_wal_keep_size"),
+                )),
+                _ => {}
+            }
+            if s.active {
+                out.push(finding(
+                    Severity::Warning,
+                    "slot",
+                    "another process holds the slot: `run` waits for it as a standby (--slot-busy-timeout-s)",
+                ));
+            } else if used_senders >= max_senders {
+                out.push(finding(
+                    Severity::Problem,
+                    "max_wal_senders",
+                    format!("all {max_senders} WAL senders are in use, so `run` cannot open its replication connection; raise max_wal_senders and restart PostgreSQL"),
+                ));
+            }
+        }
+        Err(e) => {
+            let mut text = report(&e);
+            if used_slots >= max_slots {
+                text.push_str(&format!("; and all {max_slots} replication slots are in use: raise max_replication_slots or drop an unused slot first"));
+            }
+            out.push(finding(Severity::Problem, "slot", text));
+        }
+    }
+    let publication = &config.publication;
+    match admin::publication_exists(&client, publication).await {
+        Ok(true) => out.push(finding(
+            Severity::Ok,
+            "publication",
+            format!("{publication:?} exists"),
+        )),
+        Ok(false) => out.push(finding(
+            Severity::Problem,
+            "publication",
+            format!("publication {publication:?} does not exist in this database; run `pgoutbox setup --slot {slot} --publication {publication}` or fix --publication"),
+        )),
+        Err(e) => out.push(finding(Severity::Problem, "publication", report(&e))),
+    }
+    precondition(
+        out,
+        "dead letters",
+        admin::check_dead_letter_privileges(&client, slot).await,
+    );
+    if keep == "-1" {
+        out.push(finding(
+            Severity::Warning,
+            "max_slot_wal_keep_size",
+            "-1 (unlimited): a slot left behind keeps WAL until the disk is full; set a bound, e.g. ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf()",
+        ));
+    } else {
+        out.push(finding(Severity::Ok, "max_slot_wal_keep_size", keep));
+    }
+}
+
+async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
+    match tokio::time::timeout(CHECK_TIMEOUT, broker_product(&config.amqp_url)).await {
+        Ok(Ok(product)) => out.push(finding(Severity::Ok, "broker version", product)),
+        Ok(Err(e)) => out.push(finding(
+            Severity::Problem,
+            "broker",
+            format!("{e}; check host and port in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running"),
+        )),
+        Err(_) => out.push(finding(
+            Severity::Problem,
+            "broker",
+            format!("no AMQP connection.start within {} s; check host and port in --amqp-url (PGOUTBOX_AMQP_URL)", CHECK_TIMEOUT.as_secs()),
+        )),
+    }
+    let connect = Connection::connect(&config.amqp_url, ConnectionProperties::default());
+    let connection = match tokio::time::timeout(CHECK_TIMEOUT, connect).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            out.push(finding(
+                Severity::Problem,
+                "broker",
+                format!("cannot open an AMQP connection: {e}; check the user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL)"),
+            ));
+            return;
+        }
+        Err(_) => {
+            out.push(finding(
+                Severity::Problem,
+                "broker",
+                format!(
+                    "the AMQP login did not finish within {} s",
+                    CHECK_TIMEOUT.as_secs()
+                ),
+            ));
+            return;
+        }
+    };
+    let exchange = &config.exchange;
+    let passive = async {
+        let channel = connection.create_channel().await?;
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, passive).await {
+        Ok(Ok(())) => out.push(finding(
+            Severity::Ok,
+            "exchange",
+            format!("{exchange:?} exists"),
+        )),
+        Ok(Err(e)) if crate::publisher::broker_reply(&e).is_some_and(|(code, _)| code == 404) => {
+            out.push(finding(
+                Severity::Warning,
+                "exchange",
+                format!("{exchange:?} does not exist: `run` declares it (durable topic) when it starts; bind your queues to it before messages flow, or they are returned as unroutable"),
+            ))
+        }
+        Ok(Err(e)) => out.push(finding(
+            Severity::Problem,
+            "exchange",
+            format!("cannot check exchange {exchange:?}: {e}; give the --amqp-url user configure and write permission on it"),
+        )),
+        Err(_) => out.push(finding(
+            Severity::Problem,
+            "exchange",
+            "the passive exchange.declare got no answer",
+        )),
+    }
+    let _ = connection.close(200, "check done".into()).await;
+}
+
+/// Opens a TCP connection, sends the AMQP 0-9-1 protocol header and reads the server's
+/// `connection.start` for `product` and `version`; then closes the socket (no login).
+async fn broker_product(amqp_url: &str) -> Result<String, String> {
+    let uri: lapin::uri::AMQPUri = amqp_url
+        .parse()
+        .map_err(|e| format!("--amqp-url is not an AMQP URL ({e})"))?;
+    let (host, port) = (uri.authority.host.clone(), uri.authority.port);
+    let mut socket = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .map_err(|e| format!("cannot connect to RabbitMQ at {host}:{port}: {e}"))?;
+    socket
+        .write_all(b"AMQP\x00\x00\x09\x01")
+        .await
+        .map_err(|e| format!("writing to {host}:{port}: {e}"))?;
+    // connection.start is a few hundred bytes; more than 64 KiB is not an AMQP server.
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        match parse_frame(&buf[..]) {
+            Ok((_, AMQPFrame::Method(_, AMQPClass::Connection(AMQPMethod::Start(start))))) => {
+                let text = |key: &str| match start.server_properties.inner().get(key) {
+                    Some(AMQPValue::LongString(s)) => s.to_string(),
+                    Some(other) => format!("{other:?}"),
+                    None => "?".into(),
+                };
+                return Ok(format!("{} {}", text("product"), text("version")));
+            }
+            Ok((_, frame)) => {
+                return Err(format!(
+                    "{host}:{port} answered {frame:?}, not connection.start: is it RabbitMQ?"
+                ))
+            }
+            Err(e) if e.is_incomplete() && buf.len() < 65_536 => {}
+            Err(_) => {
+                return Err(format!(
+                    "{host}:{port} does not speak AMQP 0-9-1: is it RabbitMQ?"
+                ))
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let n = socket
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("reading from {host}:{port}: {e}"))?;
+        if n == 0 {
+            return Err(format!(
+                "{host}:{port} closed the connection before connection.start: is it RabbitMQ?"
+            ));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Prints the findings, one per line, and a summary; returns the number of problems.
+pub fn print(findings: &[Finding]) -> usize {
+    for f in findings {
+        let tag = match f.severity {
+            Severity::Ok => "ok     ",
+            Severity::Warning => "WARNING",
+            Severity::Problem => "PROBLEM",
+        };
+        println!("{tag} {:<23} {}", format!("{}:", f.subject), f.text);
+    }
+    let count = |s| findings.iter().filter(|f| f.severity == s).count();
+    let (problems, warnings) = (count(Severity::Problem), count(Severity::Warning));
+    println!(
+        "check: {problems} problem(s), {warnings} warning(s){}",
+        if problems > 0 {
+            ": `run` would stop; fix the problems above"
+        } else {
+            ": `run` can start"
+        }
+    );
+    problems
+}
