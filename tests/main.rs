@@ -12,3 +12,4 @@ mod harness_smoke;
 mod lifecycle;
 mod operations;
 mod proxy_smoke;
+mod status;
