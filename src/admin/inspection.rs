@@ -800,7 +800,7 @@ pub async fn health(
             format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())),
         ),
     }
-    problems.sort_by(|a, b| b.severity.cmp(&a.severity));
+    problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
     let severity = problems
         .first()
         .map(|p| p.severity)
