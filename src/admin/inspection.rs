@@ -457,18 +457,31 @@ pub async fn peek_waiting(
                     OR (get_byte(data, 0) IN (66, 67) AND xid IN (SELECT xid FROM ours))
                  ORDER BY 1"
             ),
-            &[&slot, &(scan as i32), &publication, &(limit.saturating_add(1))],
+            &[
+                &slot,
+                &(scan as i32),
+                &publication,
+                &(limit.saturating_add(1)),
+            ],
         )
-        .await
-        .map_err(|e| {
-            if e.code().map(|c| c.code()) == Some("55006") {
-                return Error::Precondition(format!(
-                    "slot {slot:?} became active while peeking ({}): Postgres cannot peek a slot a streamer holds",
-                    e.as_db_error().map(|d| d.message()).unwrap_or("in use")
-                ));
-            }
-            Error::sql("peeking at the slot for waiting outbox messages", e)
-        })?;
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if e.code().map(|c| c.code()) == Some("55006") => {
+            // A streamer took the slot between the check above and the peek.
+            drop(tx);
+            return Err(match slot_status(client, slot).await {
+                Ok(now) if now.active => held_by(&now),
+                _ => Error::sql("peeking at the slot (it is in use)", e),
+            });
+        }
+        Err(e) => {
+            return Err(Error::sql(
+                "peeking at the slot for waiting outbox messages",
+                e,
+            ))
+        }
+    };
     let scanned: i64 = rows.first().and_then(|r| r.get(2)).unwrap_or(0);
     let mut messages: Vec<WaitingMessage> = Vec::new();
     // The open transaction's commit fields are filled in at its Commit.
