@@ -135,6 +135,20 @@ async fn status_exit_codes_for_healthy_inactive_and_dead_lettered_slots() {
             .contains("unknown while the slot is active"),
         "{json}"
     );
+    // The text form says the same.
+    let out = cmd(&ob, &["status", "--publication", &ob.publication]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("status (text) of a healthy slot:\n{text}");
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("severity:               healthy"), "{text}");
+    assert!(
+        text.contains("waiting messages:       unknown while the slot is active"),
+        "{text}"
+    );
+    assert!(
+        text.contains("(pid ") && text.contains("pgoutbox-status-healthy"),
+        "{text}"
+    );
     streamer.sigterm();
     streamer.wait_exit(scaled(Duration::from_secs(20))).await;
 
