@@ -41,8 +41,12 @@ pub enum Command {
     /// Check what `run` needs (settings, both servers, slot, publication, exchange)
     /// without changing anything; exits 1 if `run` would stop, with the fix.
     Check(RunArgs),
-    /// Show the slot: active, confirmed_flush_lsn, lag in bytes.
+    /// Show the slot's health (lag, retained WAL, waiting messages, dead letters); exit 0
+    /// healthy, 1 warning, 2 critical.
     Status(StatusArgs),
+    /// List the outbox messages waiting in the slot without consuming them (only while no
+    /// streamer holds it).
+    Peek(PeekArgs),
     /// Drop the slot and the publication.
     Teardown(TeardownArgs),
     /// Inspect, requeue or purge messages in outbox.dead_letter.
@@ -324,13 +328,49 @@ impl RunArgs {
     }
 }
 
+/// Default `--warn-lag-bytes`: 1 GiB of WAL behind the current position.
+pub const DEFAULT_WARN_LAG_BYTES: u64 = 1 << 30;
+
+/// Default `--crit-lag-bytes`: 8 GiB, a day of a busy outbox, and well inside the disk of a
+/// server that keeps WAL for a stopped streamer.
+pub const DEFAULT_CRIT_LAG_BYTES: u64 = 8 << 30;
+
 /// `status` arguments.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Database and slot.
     #[command(flatten)]
     pub db: DbArgs,
+    /// Publication name (a missing one is critical: `run` refuses to start).
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// Lag (bytes of WAL behind the current position) above which status warns (exit 1).
+    #[arg(long, env = "PGOUTBOX_WARN_LAG_BYTES", default_value_t = DEFAULT_WARN_LAG_BYTES, value_parser = parse_whole_number::<u64>)]
+    pub warn_lag_bytes: u64,
+    /// Lag above which status is critical (exit 2); at least --warn-lag-bytes.
+    #[arg(long, env = "PGOUTBOX_CRIT_LAG_BYTES", default_value_t = DEFAULT_CRIT_LAG_BYTES, value_parser = parse_whole_number::<u64>)]
+    pub crit_lag_bytes: u64,
     /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `peek` arguments.
+#[derive(Debug, Args)]
+pub struct PeekArgs {
+    /// Database and slot.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Publication name (pgoutput needs one to decode).
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// At most this many messages (1 to 10000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub limit: i64,
+    /// Show the payloads too (as UTF-8 text; they may hold personal data).
+    #[arg(long)]
+    pub payload: bool,
+    /// Print JSON (one object with a `messages` array).
     #[arg(long)]
     pub json: bool,
 }

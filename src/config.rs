@@ -157,6 +157,7 @@ pub const FLAGS_WITHOUT_ENV: &[&str] = &[
     "--json",
     "--limit",
     "--older-than",
+    "--payload",
 ];
 
 /// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper

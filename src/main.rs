@@ -11,6 +11,10 @@ use pgoutbox::{admin, pipeline};
 /// `PGOUTBOX_*` variable, whether clap or our validation finds it (clap exits 2 itself).
 const EXIT_USAGE: u8 = 2;
 
+/// Exit status of `status` when it cannot judge the slot's health at all (no connection, a
+/// catalog it cannot read): critical, like the worst it could have found.
+const EXIT_STATUS_UNKNOWN: u8 = 2;
+
 fn main() -> ExitCode {
     // Flags, then variables, then the --config file (a bad file is a usage error too).
     let (cli, file) = match pgoutbox::config_file::parse_cli() {
@@ -78,11 +82,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let is_status = matches!(cli.command, Command::Status(_));
     match runtime.block_on(try_main(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("{}", render_report(&e));
-            if matches!(e, Error::Config(_)) {
+            if is_status {
+                ExitCode::from(EXIT_STATUS_UNKNOWN)
+            } else if matches!(e, Error::Config(_)) {
                 ExitCode::from(EXIT_USAGE)
             } else {
                 ExitCode::FAILURE
@@ -91,7 +98,8 @@ fn main() -> ExitCode {
     }
 }
 
-async fn try_main(cli: Cli) -> Result<(), Error> {
+/// Runs the command; `Ok` carries the exit status (`status` exits by health, the others 0).
+async fn try_main(cli: Cli) -> Result<u8, Error> {
     match cli.command {
         Command::Setup(args) => {
             validate_identifier("--slot", &args.db.slot)?;
@@ -114,43 +122,10 @@ async fn try_main(cli: Cli) -> Result<(), Error> {
                 },
                 report.confirmed_flush_lsn
             );
-            Ok(())
+            Ok(0)
         }
-        Command::Status(args) => {
-            validate_identifier("--slot", &args.db.slot)?;
-            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
-            let status = admin::slot_status(&client, &args.db.slot).await?;
-            if args.json {
-                println!("{}", serde_json::to_string(&status).unwrap_or_default());
-            } else {
-                println!("slot:                {}", status.slot);
-                println!(
-                    "active:              {}{}",
-                    status.active,
-                    match (&status.active_pid, &status.holder) {
-                        (Some(pid), Some(h)) => format!(" (pid {pid}, {h})"),
-                        (Some(pid), None) => format!(" (pid {pid})"),
-                        _ => String::new(),
-                    }
-                );
-                println!(
-                    "confirmed_flush_lsn: {}",
-                    status.confirmed_flush_lsn.as_deref().unwrap_or("-")
-                );
-                println!(
-                    "lag_bytes:           {}",
-                    status
-                        .lag_bytes
-                        .map(|l| l.to_string())
-                        .unwrap_or("-".into())
-                );
-                println!(
-                    "wal_status:          {}",
-                    status.wal_status.as_deref().unwrap_or("-")
-                );
-            }
-            Ok(())
-        }
+        Command::Status(args) => status(args).await,
+        Command::Peek(args) => peek(args).await.map(|()| 0),
         Command::Teardown(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
@@ -172,13 +147,13 @@ async fn try_main(cli: Cli) -> Result<(), Error> {
                     "was absent"
                 }
             );
-            Ok(())
+            Ok(0)
         }
-        Command::DeadLetters(cmd) => dead_letters(cmd).await,
+        Command::DeadLetters(cmd) => dead_letters(cmd).await.map(|()| 0),
         Command::Check(args) => {
             let findings = pgoutbox::check::check(&args.into_config()).await;
             match pgoutbox::check::print(&findings) {
-                0 => Ok(()),
+                0 => Ok(0),
                 n => Err(Error::Precondition(format!(
                     "check found {n} problem(s) that would stop `run`"
                 ))),
@@ -191,7 +166,7 @@ async fn try_main(cli: Cli) -> Result<(), Error> {
                 wait_for_signal().await;
                 let _ = tx.send(true);
             });
-            pipeline::run(config, rx).await.map(|_| ())
+            pipeline::run(config, rx).await.map(|_| 0)
         }
     }
 }
@@ -278,4 +253,168 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
     }
+}
+
+/// `status`: prints the report and returns its severity as the exit status (0 healthy,
+/// 1 warning, 2 critical); each problem also goes to stderr, one line each.
+async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
+    validate_identifier("--slot", &args.db.slot)?;
+    validate_identifier("--publication", &args.publication)?;
+    if args.crit_lag_bytes < args.warn_lag_bytes {
+        return Err(Error::Config(pgoutbox::config::ValidationError {
+            setting: "--crit-lag-bytes",
+            value: args.crit_lag_bytes.to_string(),
+            rule: format!(
+                "must be at least --warn-lag-bytes ({}); raise it or lower --warn-lag-bytes",
+                args.warn_lag_bytes
+            ),
+        }));
+    }
+    let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+    let lag = admin::LagThresholds {
+        warn_bytes: args.warn_lag_bytes,
+        crit_bytes: args.crit_lag_bytes,
+    };
+    let r = admin::health(&mut client, &args.db.slot, &args.publication, lag).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r).unwrap_or_default());
+    } else {
+        let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        let num = |v: Option<i64>| or_dash(v.map(|n| n.to_string()));
+        println!(
+            "slot:                   {}{}",
+            r.slot,
+            if r.slot_exists { "" } else { " (missing)" }
+        );
+        println!(
+            "active:                 {}{}",
+            r.active,
+            match (&r.active_pid, &r.holder) {
+                (Some(pid), Some(h)) => format!(" (pid {pid}, {h})"),
+                (Some(pid), None) => format!(" (pid {pid})"),
+                _ => String::new(),
+            }
+        );
+        println!(
+            "confirmed_flush_lsn:    {}",
+            or_dash(r.confirmed_flush_lsn.clone())
+        );
+        println!("lag_bytes:              {}", num(r.lag_bytes));
+        println!("wal_status:             {}", or_dash(r.wal_status.clone()));
+        println!(
+            "restart_lsn:            {}",
+            or_dash(r.retention.restart_lsn.clone())
+        );
+        println!(
+            "retained_wal_bytes:     {}",
+            num(r.retention.retained_wal_bytes)
+        );
+        println!("safe_wal_size:          {}", num(r.retention.safe_wal_size));
+        println!(
+            "max_slot_wal_keep_size: {}",
+            or_dash(r.retention.max_slot_wal_keep_size.clone())
+        );
+        println!(
+            "publication:            {}{}",
+            r.publication,
+            if r.publication_exists {
+                ""
+            } else {
+                " (missing)"
+            }
+        );
+        println!(
+            "waiting messages:       {}",
+            match (
+                r.pending_outbox_messages,
+                &r.pending_outbox_messages_unknown
+            ) {
+                (Some(n), _) if r.pending_outbox_messages_at_least => format!("at least {n}"),
+                (Some(n), _) => n.to_string(),
+                (None, Some(why)) => why.clone(),
+                (None, None) => "-".into(),
+            }
+        );
+        println!("dead letters:           {}", num(r.dead_letters));
+        if r.newest_dead_letter_reason.is_some() {
+            println!(
+                "newest dead letter:     {} at {}: {}",
+                or_dash(r.newest_dead_letter_reason.clone()),
+                or_dash(r.newest_dead_letter_at.clone()),
+                or_dash(r.newest_dead_letter_error.clone())
+            );
+        }
+        println!(
+            "severity:               {}",
+            match r.severity {
+                admin::Severity::Healthy => "healthy",
+                admin::Severity::Warning => "warning",
+                admin::Severity::Critical => "critical",
+            }
+        );
+    }
+    for p in &r.problems {
+        let level = match p.severity {
+            admin::Severity::Critical => "critical",
+            _ => "warning",
+        };
+        eprintln!("{level}: {}", p.message);
+    }
+    Ok(r.severity as u8)
+}
+
+/// `peek`: lists the outbox messages waiting in the slot.
+async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
+    validate_identifier("--slot", &args.db.slot)?;
+    validate_identifier("--publication", &args.publication)?;
+    let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+    let payloads = if args.payload {
+        admin::Payloads::Include
+    } else {
+        admin::Payloads::Omit
+    };
+    let report = admin::peek_waiting(
+        &mut client,
+        &args.db.slot,
+        &args.publication,
+        args.limit,
+        payloads,
+    )
+    .await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        return Ok(());
+    }
+    if report.messages.is_empty() {
+        println!("no outbox messages waiting in slot {}", args.db.slot);
+    }
+    for m in &report.messages {
+        let e = &m.envelope;
+        println!(
+            "lsn={}  commit_lsn={}  commit_time={}  size={}  topic={}  id={}  headers={}{}",
+            m.lsn,
+            m.commit_lsn.as_deref().unwrap_or("-"),
+            m.commit_time.as_deref().unwrap_or("-"),
+            m.size_bytes,
+            e.topic.as_deref().unwrap_or("-"),
+            e.message_id.as_deref().unwrap_or("-"),
+            e.headers
+                .as_ref()
+                .map(|h| serde_json::Value::Object(h.clone()).to_string())
+                .unwrap_or_else(|| "-".into()),
+            e.decode_error
+                .as_deref()
+                .map(|err| format!("  undecodable: {err}"))
+                .unwrap_or_default(),
+        );
+        if let Some(p) = &e.payload {
+            println!("  payload: {p}");
+        }
+    }
+    if report.more {
+        println!("(more waiting beyond --limit {})", args.limit);
+    } else if report.scan_bounded {
+        println!("(the scan stopped at its bound of decoded changes; more may wait)");
+    }
+    Ok(())
 }

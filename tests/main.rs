@@ -14,3 +14,4 @@ mod lifecycle;
 mod observability;
 mod operations;
 mod proxy_smoke;
+mod status;

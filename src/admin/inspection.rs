@@ -233,3 +233,613 @@ pub async fn pending_outbox_messages(
         .map_err(|e| Error::sql("peeking at the slot for unsent outbox messages", e))?;
     Ok(row.get(0))
 }
+
+/// The fixed pgoutput `M` layout up to the prefix, for the SQL filters below: `'M'`, Int8
+/// flags, Int64 LSN, then the NUL-terminated prefix at byte offset 10 (1-based 11).
+const OUR_MESSAGE_FILTER: &str = "get_byte(data, 0) = 77 \
+     AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea";
+
+/// Longest a `status` or `peek` decode of the slot may take, in milliseconds
+/// (`statement_timeout`): decoding starts at the slot's `restart_lsn` whatever the limit, so a
+/// slot that retains gigabytes of WAL is read only this long.
+pub const PEEK_TIMEOUT_MS: u32 = 10_000;
+
+/// How many decoded changes (pgoutput rows: Begin, Commit, messages, table changes) `status`
+/// reads when it counts the outbox messages a slot holds. Postgres checks the limit between
+/// WAL records, so a transaction that is being output is finished first.
+pub const PENDING_SCAN_CHANGES: i64 = 100_000;
+
+/// The outbox messages waiting in an inactive slot, as counted by [`count_waiting`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitingCount {
+    /// Outbox messages found.
+    pub messages: i64,
+    /// Whether the scan stopped at [`PENDING_SCAN_CHANGES`] changes: more may wait.
+    pub at_least: bool,
+}
+
+/// Counts the outbox messages in the first [`PENDING_SCAN_CHANGES`] changes of the slot,
+/// without consuming them and without writing anything (so it sees the WAL flushed so far: an
+/// asynchronous commit shows up within `wal_writer_delay` or so). Bounded in time by
+/// [`PEEK_TIMEOUT_MS`].
+///
+/// # Errors
+/// [`Error::Sql`]: the slot is active (SQLSTATE 55006), lost, the role lacks `REPLICATION`,
+/// or the decode timed out (57014).
+pub async fn count_waiting(
+    client: &mut Client,
+    slot: &str,
+    publication: &str,
+) -> Result<WaitingCount, Error> {
+    let tx = client
+        .transaction()
+        .await
+        .map_err(|e| Error::sql("starting the peek transaction", e))?;
+    tx.batch_execute(&format!("SET LOCAL statement_timeout = {PEEK_TIMEOUT_MS}"))
+        .await
+        .map_err(|e| Error::sql("setting statement_timeout for the peek", e))?;
+    let row = tx
+        .query_one(
+            &format!(
+                "SELECT count(*), count(*) FILTER (WHERE {OUR_MESSAGE_FILTER})
+                 FROM pg_logical_slot_peek_binary_changes($1, NULL, $2::int,
+                    'proto_version', '1', 'publication_names', $3, 'messages', 'true')"
+            ),
+            &[&slot, &(PENDING_SCAN_CHANGES as i32), &publication],
+        )
+        .await
+        .map_err(|e| Error::sql("peeking at the slot for waiting outbox messages", e))?;
+    let _ = tx.rollback().await;
+    let (changes, messages): (i64, i64) = (row.get(0), row.get(1));
+    Ok(WaitingCount {
+        messages,
+        at_least: changes >= PENDING_SCAN_CHANGES,
+    })
+}
+
+/// What `status` reads besides [`SlotStatus`]: the WAL the slot retains and the limits on it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SlotRetention {
+    /// The oldest WAL position the slot still needs, `X/Y`.
+    pub restart_lsn: Option<String>,
+    /// Bytes of WAL between `restart_lsn` and the current WAL position: what the slot keeps
+    /// on disk.
+    pub retained_wal_bytes: Option<i64>,
+    /// Bytes of WAL that can still be written before the slot is in danger of being
+    /// invalidated (`pg_replication_slots.safe_wal_size`); none when unlimited or lost.
+    pub safe_wal_size: Option<i64>,
+    /// `max_slot_wal_keep_size` as the server shows it (`-1`: unlimited).
+    pub max_slot_wal_keep_size: Option<String>,
+    /// The same in bytes; none when unlimited.
+    pub max_slot_wal_keep_size_bytes: Option<i64>,
+}
+
+/// Reads the slot's retained WAL and its limits.
+///
+/// # Errors
+/// [`Error::Precondition`] when the slot does not exist; [`Error::Sql`].
+pub async fn slot_retention(client: &Client, slot: &str) -> Result<SlotRetention, Error> {
+    let row = client
+        .query_opt(
+            "SELECT s.restart_lsn::text,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+                    s.safe_wal_size,
+                    current_setting('max_slot_wal_keep_size'),
+                    (SELECT CASE WHEN setting::bigint < 0 THEN NULL
+                                 ELSE setting::bigint * 1024 * 1024 END
+                     FROM pg_settings WHERE name = 'max_slot_wal_keep_size')
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the slot's retained WAL", e))?
+        .ok_or_else(|| Error::Precondition(format!("replication slot {slot:?} does not exist")))?;
+    Ok(SlotRetention {
+        restart_lsn: row.get(0),
+        retained_wal_bytes: row.get(1),
+        safe_wal_size: row.get(2),
+        max_slot_wal_keep_size: row.get(3),
+        max_slot_wal_keep_size_bytes: row.get(4),
+    })
+}
+
+/// One outbox message waiting in the slot, as `peek` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WaitingMessage {
+    /// The message's LSN, `X/Y`.
+    pub lsn: String,
+    /// Its transaction's commit LSN (the commit record), `X/Y`; none for a non-transactional
+    /// message.
+    pub commit_lsn: Option<String>,
+    /// Its transaction's end LSN (what the streamer acknowledges), `X/Y`.
+    pub commit_end_lsn: Option<String>,
+    /// Commit time, µs since the Unix epoch.
+    pub commit_time_us: Option<i64>,
+    /// Commit time as RFC 3339 UTC text.
+    pub commit_time: Option<String>,
+    /// Whether it was emitted transactionally (`outbox.emit` always is).
+    pub transactional: bool,
+    /// The logical message content's size in bytes (the whole envelope).
+    pub size_bytes: usize,
+    /// The decoded envelope, or why it does not decode (the streamer dead-letters it as
+    /// `poison`).
+    #[serde(flatten)]
+    pub envelope: WaitingEnvelope,
+}
+
+/// The envelope part of a [`WaitingMessage`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WaitingEnvelope {
+    /// The message id.
+    pub message_id: Option<String>,
+    /// The topic (routing key).
+    pub topic: Option<String>,
+    /// The content type.
+    pub content_type: Option<String>,
+    /// Producer headers.
+    pub headers: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Payload size in bytes.
+    pub payload_bytes: Option<usize>,
+    /// The payload as UTF-8 text (lossy), only when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    /// Why the content is no valid envelope.
+    pub decode_error: Option<String>,
+}
+
+/// What `peek` found.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PeekReport {
+    /// The messages, in WAL order, at most the limit asked for.
+    pub messages: Vec<WaitingMessage>,
+    /// More outbox messages wait beyond the limit.
+    pub more: bool,
+    /// The scan stopped at its bound of decoded changes: more may wait.
+    pub scan_bounded: bool,
+}
+
+/// Whether [`peek_waiting`] returns payloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Payloads {
+    /// Sizes only.
+    Omit,
+    /// Payload text too.
+    Include,
+}
+
+/// The first `limit` outbox messages waiting in the slot, without consuming them
+/// (`pg_logical_slot_peek_binary_changes`, decoded with [`crate::pgoutput`] and
+/// [`crate::envelope`]). Decodes at most `max(1000, 4 × (limit + 1))` changes and for at most
+/// [`PEEK_TIMEOUT_MS`]; only the outbox messages and their transactions' Begin and Commit
+/// reach the client.
+///
+/// # Errors
+/// [`Error::Precondition`] when the slot does not exist or is held by a streamer (naming the
+/// holder: Postgres refuses to peek an active slot) or is lost; [`Error::Sql`].
+pub async fn peek_waiting(
+    client: &mut Client,
+    slot: &str,
+    publication: &str,
+    limit: i64,
+    payloads: Payloads,
+) -> Result<PeekReport, Error> {
+    let status = slot_status(client, slot).await?;
+    if status.active {
+        return Err(held_by(&status));
+    }
+    if status.wal_status.as_deref() == Some("lost") {
+        return Err(Error::Precondition(format!(
+            "slot {slot:?} is lost (wal_status = 'lost'): the WAL it needed was removed, so nothing can be read from it"
+        )));
+    }
+    let scan = (limit.saturating_add(1).saturating_mul(4)).clamp(1000, i64::from(i32::MAX));
+    let tx = client
+        .transaction()
+        .await
+        .map_err(|e| Error::sql("starting the peek transaction", e))?;
+    tx.batch_execute(&format!("SET LOCAL statement_timeout = {PEEK_TIMEOUT_MS}"))
+        .await
+        .map_err(|e| Error::sql("setting statement_timeout for the peek", e))?;
+    let rows = tx
+        .query(
+            &format!(
+                "WITH changes AS MATERIALIZED (
+                    SELECT c.ord, c.xid, c.data
+                    FROM pg_logical_slot_peek_binary_changes($1, NULL, $2::int,
+                        'proto_version', '1', 'publication_names', $3, 'messages', 'true')
+                        WITH ORDINALITY AS c(lsn, xid, data, ord)),
+                 ours AS (SELECT ord, xid FROM changes WHERE {OUR_MESSAGE_FILTER}
+                          ORDER BY ord LIMIT $4)
+                 SELECT 0::bigint, NULL::bytea, (SELECT count(*) FROM changes)
+                 UNION ALL
+                 SELECT ord, data, NULL FROM changes
+                 WHERE ord IN (SELECT ord FROM ours)
+                    OR (get_byte(data, 0) IN (66, 67) AND xid IN (SELECT xid FROM ours))
+                 ORDER BY 1"
+            ),
+            &[
+                &slot,
+                &(scan as i32),
+                &publication,
+                &(limit.saturating_add(1)),
+            ],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if e.code().map(|c| c.code()) == Some("55006") => {
+            // A streamer took the slot between the check above and the peek.
+            drop(tx);
+            return Err(match slot_status(client, slot).await {
+                Ok(now) if now.active => held_by(&now),
+                _ => Error::sql("peeking at the slot (it is in use)", e),
+            });
+        }
+        Err(e) => {
+            return Err(Error::sql(
+                "peeking at the slot for waiting outbox messages",
+                e,
+            ))
+        }
+    };
+    let scanned: i64 = rows.first().and_then(|r| r.get(2)).unwrap_or(0);
+    let mut messages: Vec<WaitingMessage> = Vec::new();
+    // The open transaction's commit fields are filled in at its Commit.
+    let mut open: Option<usize> = None;
+    for row in rows.iter().skip(1) {
+        let data: Vec<u8> = row.get(1);
+        match crate::pgoutput::decode(bytes::Bytes::from(data)) {
+            Ok(crate::pgoutput::LogicalMessage::Begin(_)) => open = Some(messages.len()),
+            Ok(crate::pgoutput::LogicalMessage::Commit(c)) => {
+                let time_us = crate::pgoutput::pg_time_to_unix_us(c.commit_time_us);
+                for m in messages.iter_mut().skip(open.take().unwrap_or(usize::MAX)) {
+                    m.commit_lsn = Some(c.commit_lsn.to_string());
+                    m.commit_end_lsn = Some(c.end_lsn.to_string());
+                    m.commit_time_us = Some(time_us);
+                }
+            }
+            Ok(crate::pgoutput::LogicalMessage::Message(m)) => {
+                messages.push(WaitingMessage {
+                    lsn: m.lsn.to_string(),
+                    commit_lsn: None,
+                    commit_end_lsn: None,
+                    commit_time_us: None,
+                    commit_time: None,
+                    transactional: m.transactional,
+                    size_bytes: m.content.len(),
+                    envelope: describe_envelope(m.content, payloads),
+                });
+            }
+            Ok(crate::pgoutput::LogicalMessage::Other { .. }) => {}
+            Err(e) => {
+                return Err(Error::Precondition(format!(
+                    "slot {slot:?} returned a change pgoutbox cannot decode: {e}"
+                )))
+            }
+        }
+    }
+    let more = messages.len() as i64 > limit;
+    messages.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    // Commit times as text, by the server's clock rules (one round trip).
+    let times: Vec<i64> = messages
+        .iter()
+        .map(|m| m.commit_time_us.unwrap_or(0))
+        .collect();
+    let texts = tx
+        .query(
+            "SELECT to_char(to_timestamp(t / 1e6) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
+             FROM unnest($1::bigint[]) WITH ORDINALITY AS u(t, ord) ORDER BY ord",
+            &[&times],
+        )
+        .await
+        .map_err(|e| Error::sql("formatting commit times", e))?;
+    for (m, row) in messages.iter_mut().zip(texts) {
+        if m.commit_time_us.is_some() {
+            m.commit_time = row.get(0);
+        }
+    }
+    let _ = tx.rollback().await;
+    Ok(PeekReport {
+        messages,
+        more,
+        scan_bounded: scanned >= scan,
+    })
+}
+
+/// The error for a slot a walsender holds, naming the holder.
+fn held_by(status: &SlotStatus) -> Error {
+    Error::Precondition(format!(
+        "slot {:?} is active, held by pid {} ({}): Postgres cannot peek a slot a streamer holds; stop that streamer to look inside, or see `pgoutbox status`",
+        status.slot,
+        status
+            .active_pid
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "unknown".into()),
+        status
+            .holder
+            .as_deref()
+            .map(|h| format!("application_name {h}"))
+            .unwrap_or_else(|| "unknown application".into())
+    ))
+}
+
+fn describe_envelope(content: bytes::Bytes, payloads: Payloads) -> WaitingEnvelope {
+    match crate::envelope::decode(content) {
+        Ok(env) => WaitingEnvelope {
+            message_id: Some(env.message_id),
+            topic: Some(env.topic),
+            content_type: Some(env.content_type),
+            headers: Some(env.headers),
+            payload_bytes: Some(env.payload.len()),
+            payload: (payloads == Payloads::Include)
+                .then(|| String::from_utf8_lossy(&env.payload).into_owned()),
+            decode_error: None,
+        },
+        Err(e) => WaitingEnvelope {
+            message_id: None,
+            topic: None,
+            content_type: None,
+            headers: None,
+            payload_bytes: None,
+            payload: None,
+            decode_error: Some(e.to_string()),
+        },
+    }
+}
+
+/// How bad what `status` found is; also its exit code (0, 1, 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Nothing to do.
+    Healthy = 0,
+    /// Look soon: it heals, or will hurt later.
+    Warning = 1,
+    /// Act now: messages are not flowing or are about to be lost.
+    Critical = 2,
+}
+
+/// One thing `status` found wrong.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    /// How bad it is.
+    pub severity: Severity,
+    /// What it is and what to do, one sentence.
+    pub message: String,
+}
+
+/// Lag bounds for `status`, in bytes of WAL behind the current position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LagThresholds {
+    /// Above this: warning.
+    pub warn_bytes: u64,
+    /// Above this: critical.
+    pub crit_bytes: u64,
+}
+
+/// Everything `status` reports. Fields of [`SlotStatus`] keep their names (and are null
+/// when the slot does not exist).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HealthReport {
+    /// Slot name.
+    pub slot: String,
+    /// Whether the slot exists.
+    pub slot_exists: bool,
+    /// Whether a walsender holds it.
+    pub active: bool,
+    /// The holder's pid.
+    pub active_pid: Option<i32>,
+    /// The holder's `application_name`.
+    pub holder: Option<String>,
+    /// Position up to which the consumer acknowledged, `X/Y`.
+    pub confirmed_flush_lsn: Option<String>,
+    /// Bytes of WAL between `confirmed_flush_lsn` and the current WAL position.
+    pub lag_bytes: Option<i64>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// Output plugin.
+    pub plugin: Option<String>,
+    /// Retained WAL and its limits (null fields when the slot does not exist).
+    #[serde(flatten)]
+    pub retention: SlotRetention,
+    /// The publication name.
+    pub publication: String,
+    /// Whether it exists.
+    pub publication_exists: bool,
+    /// Outbox messages waiting in the slot; null when unknown (see
+    /// `pending_outbox_messages_unknown`).
+    pub pending_outbox_messages: Option<i64>,
+    /// The count stopped at [`PENDING_SCAN_CHANGES`] decoded changes: at least this many.
+    pub pending_outbox_messages_at_least: bool,
+    /// Why the count is unknown (for example: the slot is active).
+    pub pending_outbox_messages_unknown: Option<String>,
+    /// Dead letters not requeued; null when `outbox.dead_letter` cannot be read.
+    pub dead_letters: Option<i64>,
+    /// The newest such dead letter's reason (`nacked`, `returned`, `poison`, `too_large`).
+    pub newest_dead_letter_reason: Option<String>,
+    /// Its last error.
+    pub newest_dead_letter_error: Option<String>,
+    /// When it was dead-lettered, RFC 3339 UTC.
+    pub newest_dead_letter_at: Option<String>,
+    /// The worst of `problems` (healthy when none).
+    pub severity: Severity,
+    /// What is wrong, worst first.
+    pub problems: Vec<Problem>,
+}
+
+/// Reads everything `status` reports and judges it: critical when the slot or the
+/// publication is missing, the slot is `lost` or `unreserved` or not a pgoutput slot, or lags
+/// more than `crit_bytes`; warning when it lags more than `warn_bytes`, is inactive, is
+/// `extended`, or an unrequeued dead letter exists. Counts the waiting outbox messages only
+/// while the slot is inactive (Postgres refuses to peek an active slot), bounded by
+/// [`PENDING_SCAN_CHANGES`] and [`PEEK_TIMEOUT_MS`].
+///
+/// # Errors
+/// [`Error::Sql`] when the catalogs cannot be read at all; secondary reads that fail (the
+/// count, the dead letters) become problems instead.
+pub async fn health(
+    client: &mut Client,
+    slot: &str,
+    publication: &str,
+    lag: LagThresholds,
+) -> Result<HealthReport, Error> {
+    let mut problems = Vec::new();
+    let mut problem = |severity, message: String| problems.push(Problem { severity, message });
+    let status = match slot_status(client, slot).await {
+        Ok(s) => Some(s),
+        Err(Error::Precondition(m)) => {
+            problem(Severity::Critical, m);
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let retention = match &status {
+        Some(_) => slot_retention(client, slot).await?,
+        None => SlotRetention::default(),
+    };
+    let publication_exists = publication_exists(client, publication).await?;
+    if !publication_exists {
+        problem(
+            Severity::Critical,
+            format!("publication {publication:?} does not exist in this database; `run` refuses to start: run `pgoutbox setup --slot {slot} --publication {publication}` or fix --publication"),
+        );
+    }
+    let (mut pending, mut at_least, mut unknown) = (None, false, None);
+    if let Some(s) = &status {
+        if s.plugin.as_deref() != Some("pgoutput") {
+            problem(
+                Severity::Critical,
+                format!(
+                    "slot {slot:?} uses plugin {}, not pgoutput; `run` refuses it",
+                    s.plugin.as_deref().unwrap_or("(none: a physical slot)")
+                ),
+            );
+        }
+        match s.wal_status.as_deref() {
+            Some("lost") => problem(
+                Severity::Critical,
+                format!("slot {slot:?} is lost (wal_status = 'lost'): the WAL it needed was removed and the messages in it are gone; recreate it with `pgoutbox teardown --force` and `pgoutbox setup`, then reconcile with the producers"),
+            ),
+            Some("unreserved") => problem(
+                Severity::Critical,
+                format!("slot {slot:?} is about to be invalidated (wal_status = 'unreserved': it retains more WAL than max_slot_wal_keep_size); start `pgoutbox run` now or raise max_slot_wal_keep_size"),
+            ),
+            Some("extended") => problem(
+                Severity::Warning,
+                format!("slot {slot:?} retains more WAL than max_wal_size (wal_status = 'extended')"),
+            ),
+            _ => {}
+        }
+        if let Some(bytes) = s.lag_bytes.and_then(|l| u64::try_from(l).ok()) {
+            if bytes > lag.crit_bytes {
+                problem(
+                    Severity::Critical,
+                    format!(
+                        "slot {slot:?} lags {bytes} bytes of WAL, more than --crit-lag-bytes {}",
+                        lag.crit_bytes
+                    ),
+                );
+            } else if bytes > lag.warn_bytes {
+                problem(
+                    Severity::Warning,
+                    format!(
+                        "slot {slot:?} lags {bytes} bytes of WAL, more than --warn-lag-bytes {}",
+                        lag.warn_bytes
+                    ),
+                );
+            }
+        }
+        if s.active {
+            unknown = Some("unknown while the slot is active (Postgres refuses to peek a slot a streamer holds)".to_owned());
+        } else {
+            problem(
+                Severity::Warning,
+                format!("slot {slot:?} is inactive: no streamer holds it, so nothing is delivered; start `pgoutbox run`"),
+            );
+            if s.wal_status.as_deref() == Some("lost") {
+                unknown = Some("unknown: the slot is lost".to_owned());
+            } else {
+                match count_waiting(client, slot, publication).await {
+                    Ok(c) => {
+                        pending = Some(c.messages);
+                        at_least = c.at_least;
+                    }
+                    Err(e) => {
+                        unknown = Some(format!(
+                            "unknown: {}",
+                            crate::error::render_report(&e).replace('\n', "; ")
+                        ))
+                    }
+                }
+            }
+        }
+    }
+    let dead = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox.dead_letter WHERE requeued_at IS NULL), d.reason,
+                    d.last_error,
+                    to_char(d.dead_lettered_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+             FROM (SELECT 1) AS one
+             LEFT JOIN LATERAL (SELECT reason, last_error, dead_lettered_at FROM outbox.dead_letter
+                                WHERE requeued_at IS NULL ORDER BY id DESC LIMIT 1) d ON true",
+            &[],
+        )
+        .await;
+    let (mut dead_letters, mut reason, mut error, mut at) = (None, None, None, None);
+    match dead {
+        Ok(row) => {
+            let n: i64 = row.get(0);
+            dead_letters = Some(n);
+            reason = row.get(1);
+            error = row.get(2);
+            at = row.get(3);
+            if n > 0 {
+                problem(
+                    Severity::Warning,
+                    format!(
+                        "{n} dead letters are not requeued (newest: {}, {}); see `pgoutbox dead-letters list`",
+                        reason.as_deref().unwrap_or("-"),
+                        error.as_deref().unwrap_or("no error text")
+                    ),
+                );
+            }
+        }
+        Err(e) if matches!(e.code().map(|c| c.code()), Some("42P01" | "3F000")) => problem(
+            Severity::Critical,
+            format!("table outbox.dead_letter does not exist in this database; `run` refuses to start: run `pgoutbox setup --slot {slot}`"),
+        ),
+        Err(e) => problem(
+            Severity::Warning,
+            format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())),
+        ),
+    }
+    problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
+    let severity = problems
+        .first()
+        .map(|p| p.severity)
+        .unwrap_or(Severity::Healthy);
+    let s = status.as_ref();
+    Ok(HealthReport {
+        slot: slot.to_owned(),
+        slot_exists: s.is_some(),
+        active: s.is_some_and(|s| s.active),
+        active_pid: s.and_then(|s| s.active_pid),
+        holder: s.and_then(|s| s.holder.clone()),
+        confirmed_flush_lsn: s.and_then(|s| s.confirmed_flush_lsn.clone()),
+        lag_bytes: s.and_then(|s| s.lag_bytes),
+        wal_status: s.and_then(|s| s.wal_status.clone()),
+        plugin: s.and_then(|s| s.plugin.clone()),
+        retention,
+        publication: publication.to_owned(),
+        publication_exists,
+        pending_outbox_messages: pending,
+        pending_outbox_messages_at_least: at_least,
+        pending_outbox_messages_unknown: unknown,
+        dead_letters,
+        newest_dead_letter_reason: reason,
+        newest_dead_letter_error: error,
+        newest_dead_letter_at: at,
+        severity,
+        problems,
+    })
+}

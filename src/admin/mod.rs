@@ -1,6 +1,7 @@
 //! Everything pgoutbox does over ordinary SQL (tokio-postgres), by concept:
 //! - [`provisioning`]: `setup` and `teardown`, and the server checks they make;
-//! - [`inspection`]: the slot's state (`status`), the pre-flight checks `run` makes before it
+//! - [`inspection`]: the slot's state and health (`status`), the messages waiting in it
+//!   (`peek`), the pre-flight checks `run` makes before it
 //!   takes the slot (including the privileges it needs to write dead letters), and the outbox
 //!   messages a slot still holds;
 //! - [`dead_letters`]: `outbox.dead_letter`: the streamer's writes, and the `dead-letters`
@@ -21,8 +22,10 @@ pub use dead_letters::{
     NewDeadLetter, RequeueRefusal, Selection,
 };
 pub use inspection::{
-    check_dead_letter_privileges, confirmed_flush_lsn, dead_letter_grants, pending_outbox_messages,
-    preflight, slot_status, SlotStatus,
+    check_dead_letter_privileges, confirmed_flush_lsn, count_waiting, dead_letter_grants, health,
+    peek_waiting, pending_outbox_messages, preflight, slot_retention, slot_status, HealthReport,
+    LagThresholds, Payloads, PeekReport, Problem, Severity, SlotRetention, SlotStatus,
+    WaitingCount, WaitingEnvelope, WaitingMessage,
 };
 pub use provisioning::{
     check_replication_role, check_wal_level, publication_exists, setup, teardown, SetupReport,

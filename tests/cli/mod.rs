@@ -206,11 +206,19 @@ async fn usage_errors_exit_2_and_other_errors_exit_1() {
         );
     }
     // Errors of the servers' state are not usage errors: exit 1.
-    let out = pgoutbox(&["status", "--database-url", &url, "--slot", "no_such_slot"]);
+    let out = pgoutbox(&["peek", "--database-url", &url, "--slot", "no_such_slot"]);
     let (code, err) = outcome(&out);
     assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("does not exist; run `pgoutbox setup --slot no_such_slot`"),
+        "{err}"
+    );
+    // `status` exits by health instead: a missing slot is critical, 2 (README, "Exit status").
+    let out = pgoutbox(&["status", "--database-url", &url, "--slot", "no_such_slot"]);
+    let (code, err) = outcome(&out);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("critical: replication slot \"no_such_slot\" does not exist; run `pgoutbox setup --slot no_such_slot`"),
         "{err}"
     );
     // --help and --version succeed.
@@ -225,10 +233,12 @@ async fn options_are_read_from_environment_variables() {
     let env = [
         ("PGOUTBOX_DATABASE_URL", ob.url()),
         ("PGOUTBOX_SLOT", ob.slot.clone()),
+        ("PGOUTBOX_PUBLICATION", ob.publication.clone()),
     ];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let out = pgoutbox_env(&["status", "--json"], &env);
-    assert!(out.status.success(), "{}", stderr(&out));
+    // No streamer holds the slot yet: a warning (exit 1), with the report on stdout.
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(status["slot"], ob.slot.as_str());
     // A flag wins over its variable.

@@ -1,0 +1,416 @@
+//! `status` as a probe (exit 0 healthy, 1 warning, 2 critical, with the report's fields) and
+//! `peek` (the outbox messages waiting in a slot, without consuming them), against real
+//! servers: a healthy slot, a lagging one, an unrequeued dead letter, a really invalidated
+//! slot, a missing publication or slot.
+//!
+//! `PGOUTBOX_TEST_BIN` runs the commands through another binary (an old build).
+
+use std::process::Output;
+use std::time::Duration;
+
+use crate::support::{self, scaled, Outbox, Postgres, RabbitMq, Streamer};
+
+fn bin() -> String {
+    std::env::var("PGOUTBOX_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").into())
+}
+
+/// Runs `pgoutbox ARGS --database-url … --slot …` through [`bin`].
+fn cmd(ob: &Outbox<'_>, args: &[&str]) -> Output {
+    let url = ob.url();
+    let mut full: Vec<&str> = args.to_vec();
+    full.extend_from_slice(&["--database-url", &url, "--slot", &ob.slot]);
+    let mut c = std::process::Command::new(bin());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PGOUTBOX_") && !k.starts_with("PGOUTBOX_TEST_") {
+            c.env_remove(k);
+        }
+    }
+    c.args(&full)
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run pgoutbox")
+}
+
+/// `status --json --publication P ARGS`: (exit code, the object, stderr).
+fn status(ob: &Outbox<'_>, args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let mut full = vec!["status", "--json", "--publication", &ob.publication];
+    full.extend_from_slice(args);
+    let out = cmd(ob, &full);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "status printed no JSON ({e}), exit {:?}: {}{err}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    (out.status.code(), json, err)
+}
+
+/// `peek --json --publication P ARGS`: (exit code, the object or null, stderr).
+fn peek(ob: &Outbox<'_>, args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let mut full = vec!["peek", "--json", "--publication", &ob.publication];
+    full.extend_from_slice(args);
+    let out = cmd(ob, &full);
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (
+        out.status.code(),
+        json,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Decoding reads only flushed WAL and the test cluster commits asynchronously: one
+/// synchronous commit that writes WAL flushes everything before it.
+fn flush_wal(ob: &Outbox<'_>) {
+    ob.sql("BEGIN; SET LOCAL synchronous_commit = on; SELECT pg_logical_emit_message(true, 'not-ours', ''); COMMIT;");
+}
+
+fn problems(json: &serde_json::Value) -> String {
+    json["problems"].to_string()
+}
+
+async fn wait_active(ob: &Outbox<'_>, streamer: &Streamer) {
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.slot_active()
+        })
+        .await,
+        "the streamer took the slot:\n{}",
+        streamer.log()
+    );
+}
+
+/// Healthy (0) while a streamer holds the slot; inactive is a warning (1) with the waiting
+/// messages counted; an unrequeued dead letter is a warning naming its reason and error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_exit_codes_for_healthy_inactive_and_dead_lettered_slots() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_codes").await;
+    // Inactive, two messages waiting.
+    ob.sql("SELECT outbox.emit('st.a', '{}', '{}', 'w1'); SELECT outbox.emit('st.a', '{}', '{}', 'w2')");
+    flush_wal(&ob);
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(1), "inactive is a warning: {json} {err}");
+    assert_eq!(json["severity"], "warning", "{json}");
+    assert_eq!(json["pending_outbox_messages"], 2, "{json}");
+    assert!(problems(&json).contains("is inactive"), "{json}");
+    assert!(err.contains("warning: slot"), "{err}");
+    for key in [
+        "slot",
+        "active",
+        "active_pid",
+        "holder",
+        "confirmed_flush_lsn",
+        "lag_bytes",
+        "wal_status",
+        "plugin",
+        "restart_lsn",
+        "retained_wal_bytes",
+        "safe_wal_size",
+        "max_slot_wal_keep_size",
+        "dead_letters",
+        "newest_dead_letter_reason",
+        "newest_dead_letter_error",
+    ] {
+        assert!(json.get(key).is_some(), "{key} in {json}");
+    }
+    assert!(json["retained_wal_bytes"].as_i64().unwrap() > 0, "{json}");
+    assert_eq!(json["max_slot_wal_keep_size"], "-1", "{json}");
+
+    // Active, drained: healthy.
+    let streamer = ob.run(&["--instance-id", "status-healthy"]);
+    assert_eq!(ob.drain(2, scaled(Duration::from_secs(20))).await.len(), 2);
+    wait_active(&ob, &streamer).await;
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(0), "healthy: {json} {err}");
+    assert_eq!(json["severity"], "healthy");
+    assert_eq!(json["holder"], "pgoutbox-status-healthy", "{json}");
+    assert!(json["pending_outbox_messages"].is_null(), "{json}");
+    assert!(
+        json["pending_outbox_messages_unknown"]
+            .as_str()
+            .unwrap_or("")
+            .contains("unknown while the slot is active"),
+        "{json}"
+    );
+    // The text form says the same.
+    let out = cmd(&ob, &["status", "--publication", &ob.publication]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("status (text) of a healthy slot:\n{text}");
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("severity:               healthy"), "{text}");
+    assert!(
+        text.contains("waiting messages:       unknown while the slot is active"),
+        "{text}"
+    );
+    assert!(
+        text.contains("(pid ") && text.contains("pgoutbox-status-healthy"),
+        "{text}"
+    );
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+
+    // A real dead letter: an exchange with no queue bound returns the message.
+    let unbound = support::unique("status_unbound_x");
+    let streamer = ob.run(&["--exchange", &unbound, "--instance-id", "status-dl"]);
+    ob.sql("SELECT outbox.emit('st.nowhere', '{}', '{}', 'dl1')");
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.sql("SELECT count(*) FROM outbox.dead_letter").trim() == "1"
+        })
+        .await,
+        "dead-lettered:\n{}",
+        streamer.log()
+    );
+    wait_active(&ob, &streamer).await;
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(
+        code,
+        Some(1),
+        "an unrequeued dead letter warns: {json} {err}"
+    );
+    assert_eq!(json["dead_letters"], 1, "{json}");
+    assert_eq!(json["newest_dead_letter_reason"], "returned", "{json}");
+    assert!(
+        json["newest_dead_letter_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("NO_ROUTE")
+            || json["newest_dead_letter_error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("unroutable"),
+        "{json}"
+    );
+    assert!(
+        problems(&json).contains("1 dead letters are not requeued"),
+        "{json}"
+    );
+    // Purged, the slot is healthy again.
+    ob.sql("DELETE FROM outbox.dead_letter");
+    let (code, json, _) = status(&ob, &[]);
+    assert_eq!(code, Some(0), "{json}");
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+}
+
+/// Lag over --warn-lag-bytes warns (1), over --crit-lag-bytes is critical (2), while a
+/// streamer holds the slot and one unroutable message blocks it (`--on-unroutable block`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_exit_codes_for_a_lagging_slot() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_lag").await;
+    let unbound = support::unique("status_lag_x");
+    let streamer = ob.run(&["--exchange", &unbound, "--on-unroutable", "block"]);
+    wait_active(&ob, &streamer).await;
+    ob.sql("SELECT outbox.emit('st.blocked', '{}', '{}', 'blocker')");
+    assert!(
+        streamer
+            .wait_for_log(
+                "unroutable message blocks the outbox",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    ob.sql("CREATE TABLE junk (x text); INSERT INTO junk SELECT repeat('x', 1000) FROM generate_series(1, 2000)");
+    let lag = ob.lag_bytes();
+    assert!(lag > 1_000_000, "lag {lag}");
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(0), "under the default bounds: {json} {err}");
+    let (code, json, err) = status(&ob, &["--warn-lag-bytes", "500000"]);
+    assert_eq!(code, Some(1), "{json} {err}");
+    assert!(
+        problems(&json).contains("more than --warn-lag-bytes 500000"),
+        "{json}"
+    );
+    let (code, json, err) = status(
+        &ob,
+        &["--warn-lag-bytes", "500000", "--crit-lag-bytes", "900000"],
+    );
+    assert_eq!(code, Some(2), "{json} {err}");
+    assert_eq!(json["severity"], "critical");
+    assert!(
+        problems(&json).contains("more than --crit-lag-bytes 900000"),
+        "{json}"
+    );
+    assert!(err.contains("critical: slot"), "{err}");
+    // Bounds the wrong way round are a usage error naming both.
+    let out = cmd(
+        &ob,
+        &["status", "--warn-lag-bytes", "10", "--crit-lag-bytes", "5"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("invalid setting --crit-lag-bytes (PGOUTBOX_CRIT_LAG_BYTES) = \"5\": must be at least --warn-lag-bytes (10)"),
+        "{err}"
+    );
+    streamer.kill9();
+}
+
+/// A slot really invalidated (small `max_slot_wal_keep_size`, streamer stopped, WAL
+/// written past it) is critical with `wal_status` `lost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_is_critical_for_a_really_lost_slot() {
+    let pg = Postgres::start_private(&[
+        ("max_slot_wal_keep_size", "64MB"),
+        ("max_wal_size", "96MB"),
+        ("min_wal_size", "32MB"),
+    ]);
+    let ob = Outbox::new(&pg, &RabbitMq::shared().url(), "status_lost").await;
+    let streamer = ob.run(&[]);
+    ob.sql("SELECT outbox.emit('st.lost', '{}', '{}', 'before')");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(1), "stopped, not yet lost: {json} {err}");
+    assert_eq!(json["max_slot_wal_keep_size"], "64MB", "{json}");
+    assert_eq!(json["max_slot_wal_keep_size_bytes"], 64 << 20, "{json}");
+    assert!(json["safe_wal_size"].as_i64().is_some(), "{json}");
+    ob.sql("CREATE TABLE junk (x text)");
+    for _ in 0..6 {
+        ob.sql("INSERT INTO junk SELECT repeat(md5(random()::text), 32) FROM generate_series(1, 50000)");
+        ob.sql("CHECKPOINT");
+    }
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(json["wal_status"], "lost", "{json}");
+    assert_eq!(code, Some(2), "{json} {err}");
+    assert!(
+        problems(&json).contains("is lost (wal_status = 'lost')"),
+        "{json}"
+    );
+    assert!(json["safe_wal_size"].is_null(), "{json}");
+    let (code, _, err) = peek(&ob, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("is lost"), "{err}");
+}
+
+/// A missing publication or slot is critical (2), and still a report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_is_critical_for_a_missing_publication_or_slot() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_missing").await;
+    ob.sql(&format!("DROP PUBLICATION \"{}\"", ob.publication));
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(2), "{json} {err}");
+    assert_eq!(json["publication_exists"], false, "{json}");
+    assert!(
+        problems(&json).contains("does not exist in this database"),
+        "{json}"
+    );
+    ob.sql(&format!("SELECT pg_drop_replication_slot('{}')", ob.slot));
+    let (code, json, err) = status(&ob, &[]);
+    assert_eq!(code, Some(2), "{json} {err}");
+    assert_eq!(json["slot_exists"], false, "{json}");
+    assert!(err.contains("critical: replication slot"), "{err}");
+    // A server it cannot reach is critical too.
+    let out = std::process::Command::new(bin())
+        .args([
+            "status",
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/db?connect_timeout=2",
+        ])
+        .output()
+        .expect("run");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `peek` lists the waiting messages (ids, LSNs, commit LSN and time, headers, sizes),
+/// payloads only with --payload, at most --limit, consumes nothing (the streamer delivers
+/// all of them afterwards, with the LSNs peek showed), and names the holder while a streamer
+/// holds the slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peek_lists_waiting_messages_without_consuming_them() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_peek").await;
+    let (code, json, err) = peek(&ob, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(json["messages"], serde_json::json!([]), "{json}");
+    ob.sql("BEGIN; SELECT outbox.emit('pk.one', '{\"n\": 1}', '{\"h\": \"x\"}', 'p1'); SELECT outbox.emit('pk.two', '{\"n\": 2}', '{}', 'p2'); COMMIT;");
+    ob.sql("SELECT pg_logical_emit_message(true, 'not-ours', 'skip me')");
+    ob.sql("SELECT outbox.emit('pk.three', '{\"n\": 3}', '{}', 'p3')");
+    flush_wal(&ob);
+    let (code, json, err) = peek(&ob, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let msgs = json["messages"].as_array().expect("messages").clone();
+    let ids: Vec<&str> = msgs
+        .iter()
+        .map(|m| m["message_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["p1", "p2", "p3"], "{json}");
+    assert_eq!(msgs[0]["topic"], "pk.one");
+    assert_eq!(msgs[0]["headers"], serde_json::json!({"h": "x"}));
+    assert_eq!(
+        msgs[0]["commit_lsn"], msgs[1]["commit_lsn"],
+        "one transaction"
+    );
+    assert_ne!(msgs[1]["commit_lsn"], msgs[2]["commit_lsn"]);
+    assert!(
+        msgs[0]["commit_time"].as_str().unwrap().ends_with('Z'),
+        "{json}"
+    );
+    assert!(msgs[0]["size_bytes"].as_u64().unwrap() > 8, "{json}");
+    assert_eq!(msgs[0]["payload_bytes"], 8, "{json}");
+    for m in &msgs {
+        assert!(
+            m.get("payload").is_none(),
+            "no payload without --payload: {m}"
+        );
+    }
+    let lsns: Vec<u64> = msgs
+        .iter()
+        .map(|m| support::lsn(m["lsn"].as_str().unwrap()))
+        .collect();
+    assert!(lsns.windows(2).all(|w| w[0] < w[1]), "{lsns:?}");
+    // --payload, --limit.
+    let (_, json, _) = peek(&ob, &["--payload", "--limit", "2"]);
+    let limited = json["messages"].as_array().expect("messages");
+    assert_eq!(limited.len(), 2, "{json}");
+    assert_eq!(json["more"], true, "{json}");
+    assert_eq!(limited[1]["payload"], "{\"n\": 2}", "{json}");
+    // Text form names the same.
+    let out = cmd(
+        &ob,
+        &["peek", "--publication", &ob.publication, "--limit", "1"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("topic=pk.one") && text.contains("id=p1"),
+        "{text}"
+    );
+    assert!(text.contains("more waiting beyond --limit 1"), "{text}");
+    // Nothing was consumed: the streamer delivers all three, with the LSNs peek showed.
+    let streamer = ob.run(&["--instance-id", "peek-holder"]);
+    let got = ob.drain(3, scaled(Duration::from_secs(20))).await;
+    let got_ids: Vec<String> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(got_ids, ["p1", "p2", "p3"]);
+    let got_lsns: Vec<u64> = got
+        .iter()
+        .map(|m| support::lsn(&m.headers["x-pgoutbox-lsn"]))
+        .collect();
+    assert_eq!(got_lsns, lsns);
+    // While it holds the slot, peek says so and names it.
+    wait_active(&ob, &streamer).await;
+    let (code, _, err) = peek(&ob, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("is active, held by pid"), "{err}");
+    assert!(
+        err.contains("application_name pgoutbox-peek-holder"),
+        "{err}"
+    );
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+}
