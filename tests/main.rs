@@ -4,6 +4,7 @@ mod support;
 
 mod chaos;
 mod cli;
+mod deploy_files;
 mod end_to_end;
 mod errors;
 mod faults;
