@@ -26,9 +26,23 @@ pub enum Force {
 #[derive(Debug, Parser)]
 #[command(name = "pgoutbox", version, about)]
 pub struct Cli {
+    /// How log lines on stderr are written: text for a terminal, json for a log shipper
+    /// (one JSON object per line, the exit report included).
+    #[arg(long, global = true, env = "PGOUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The format of what pgoutbox writes to stderr (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (tracing-subscriber's default format).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
+    /// event's fields (`slot`, `lsn`, `message_id`, `attempt`, `reason`, ...).
+    Json,
 }
 
 /// The subcommands.

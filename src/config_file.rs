@@ -142,6 +142,22 @@ pub enum ConfigFileError {
     },
 }
 
+/// Why the command line could not be read: clap refused it (including `--help` and
+/// `--version`, which clap reports as errors to display), or the config file is unusable.
+#[derive(Debug)]
+pub enum CliError {
+    /// clap's error, to be shown (and exited with) by the binary.
+    Usage(clap::Error),
+    /// The `--config` file.
+    File(ConfigFileError),
+}
+
+impl From<ConfigFileError> for CliError {
+    fn from(e: ConfigFileError) -> Self {
+        CliError::File(e)
+    }
+}
+
 /// Reads and type-checks a config file.
 ///
 /// # Errors
@@ -219,12 +235,13 @@ impl FileOrigin {
     }
 }
 
-/// Parses the command line like `Cli::parse` (exiting on a clap error), then, for `run`
+/// Parses the command line like `Cli::parse` (a clap error is returned, not exited on), then, for `run`
 /// and `check`, merges the config file, if one is named.
 ///
 /// # Errors
-/// [`ConfigFileError`] for an unreadable or invalid file, or a required URL found nowhere.
-pub fn parse_cli() -> Result<(Cli, Option<FileOrigin>), ConfigFileError> {
+/// [`CliError::Usage`] for what clap refuses; [`CliError::File`] for an unreadable or
+/// invalid file, or a required URL found nowhere.
+pub fn parse_cli() -> Result<(Cli, Option<FileOrigin>), CliError> {
     // The URLs are required, but may come from the file: clap must not insist on them,
     // so they get an empty, hidden default that `merge` checks.
     let relax = |c: clap::Command| {
@@ -237,8 +254,8 @@ pub fn parse_cli() -> Result<(Cli, Option<FileOrigin>), ConfigFileError> {
     let command = Cli::command()
         .mut_subcommand("run", relax)
         .mut_subcommand("check", relax);
-    let matches = command.get_matches();
-    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let matches = command.try_get_matches().map_err(CliError::Usage)?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(CliError::Usage)?;
     let origin = match &mut cli.command {
         Command::Run(args) => merge(args, matches.subcommand_matches("run"))?,
         Command::Check(args) => merge(args, matches.subcommand_matches("check"))?,

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force};
+use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force, LogFormat};
 use pgoutbox::config::{parse_database_url, validate_identifier};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
@@ -19,55 +19,24 @@ fn main() -> ExitCode {
     // Flags, then variables, then the --config file (a bad file is a usage error too).
     let (cli, file) = match pgoutbox::config_file::parse_cli() {
         Ok(parsed) => parsed,
-        Err(e) => {
+        Err(pgoutbox::config_file::CliError::Usage(e)) => return usage_error(e),
+        Err(pgoutbox::config_file::CliError::File(e)) => {
             eprintln!("{}", render_report(&e));
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    init_tracing(cli.log_format);
     // Settings are checked before anything else happens, so a bad one is a usage error
     // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
     // u64::MAX seconds used to overflow `Instant` at SIGTERM).
     if let Command::Run(args) | Command::Check(args) = &cli.command {
         if let Err(e) = args.clone().into_config().validate() {
-            eprintln!("{}", render_report(&e));
+            report_exit(cli.log_format, &e);
             if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
                 eprintln!("  {note}");
             }
             return ExitCode::from(EXIT_USAGE);
         }
-    }
-    // lapin logs returned messages (with their payload) at warn and its own connection
-    // failures at error; pgoutbox reports both itself, so lapin stays silent by default.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,lapin=off,tokio_postgres=warn")
-    });
-    // Whatever RUST_LOG asks for, the client libraries never log below what is safe: lapin's
-    // trace output carries the AMQP PLAIN credentials (connection.start-ok) and its warnings
-    // returned payloads; tokio-postgres logs query parameters (dead-letter envelopes) at
-    // debug. pgoutbox's own events never carry either.
-    let secrets_safe = tracing_subscriber::filter::filter_fn(|meta| {
-        let target = meta.target();
-        if target.starts_with("lapin") || target.starts_with("amq_protocol") {
-            false
-        } else if target.starts_with("tokio_postgres") || target.starts_with("postgres_protocol") {
-            *meta.level() <= tracing::Level::WARN
-        } else {
-            true
-        }
-    });
-    {
-        use tracing_subscriber::layer::SubscriberExt;
-        use tracing_subscriber::util::SubscriberInitExt;
-        use tracing_subscriber::Layer;
-        tracing_subscriber::registry()
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .with_writer(std::io::stderr)
-                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                    .with_filter(secrets_safe)
-                    .with_filter(filter),
-            )
-            .init();
     }
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
@@ -78,15 +47,17 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the tokio runtime: {e}");
+            let e = RuntimeStart(e);
+            report_exit(cli.log_format, &e);
             return ExitCode::FAILURE;
         }
     };
     let is_status = matches!(cli.command, Command::Status(_));
+    let format = cli.log_format;
     match runtime.block_on(try_main(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("{}", render_report(&e));
+            report_exit(format, &e);
             if is_status {
                 ExitCode::from(EXIT_STATUS_UNKNOWN)
             } else if matches!(e, Error::Config(_)) {
@@ -96,6 +67,125 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The tokio runtime could not be built (threads, file descriptors).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot start the tokio runtime")]
+struct RuntimeStart(#[source] std::io::Error);
+
+/// Installs the stderr subscriber in `format`, behind the filters that keep secrets out.
+fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    // lapin logs returned messages (with their payload) at warn and its own connection
+    // failures at error; pgoutbox reports both itself, so lapin stays silent by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,lapin=off,tokio_postgres=warn")
+    });
+    // Whatever RUST_LOG asks for, the client libraries never log below what is safe: lapin's
+    // trace output carries the AMQP PLAIN credentials (connection.start-ok) and its warnings
+    // returned payloads; tokio-postgres logs query parameters (dead-letter envelopes) at
+    // debug. pgoutbox's own events never carry either. Both formats sit behind this filter.
+    let secrets_safe = tracing_subscriber::filter::filter_fn(|meta| {
+        let target = meta.target();
+        if target.starts_with("lapin") || target.starts_with("amq_protocol") {
+            false
+        } else if target.starts_with("tokio_postgres") || target.starts_with("postgres_protocol") {
+            *meta.level() <= tracing::Level::WARN
+        } else {
+            true
+        }
+    });
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let layer = match format {
+        LogFormat::Text => fmt
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .boxed(),
+        // Fields at the top level next to `message`, so a log shipper reads `slot` or `lsn`
+        // without digging into a nested object. pgoutbox opens no spans.
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(layer.with_filter(secrets_safe).with_filter(filter))
+        .init();
+    if format == LogFormat::Json {
+        // A panic's message would otherwise be plain text on stderr.
+        std::panic::set_hook(Box::new(|info| {
+            tracing::error!(target: "pgoutbox", panic = %info, "pgoutbox panicked: this is a bug, please report it");
+        }));
+    }
+}
+
+/// Prints the report of an error that ends the process: with `text`, the error and its
+/// cause chain on several lines; with `json`, one JSON object (through the same subscriber
+/// as the log, so it has `timestamp`, `level`, `target` and `message`) whose `message` is
+/// the error and whose `caused_by` lists the causes, outermost first, separated by ` <- `.
+fn report_exit(format: LogFormat, error: &(dyn std::error::Error + 'static)) {
+    match format {
+        LogFormat::Text => eprintln!("{}", render_report(error)),
+        LogFormat::Json => {
+            let mut causes: Vec<String> = Vec::new();
+            let mut last = error.to_string();
+            let mut source = error.source();
+            while let Some(cause) = source {
+                let text = cause.to_string();
+                // As in render_report: a cause that a message already repeats is shown once.
+                if !last.contains(&text) {
+                    causes.push(text.clone());
+                }
+                last = text;
+                source = cause.source();
+            }
+            if causes.is_empty() {
+                tracing::error!(target: "pgoutbox", "{error}");
+            } else {
+                tracing::error!(target: "pgoutbox", caused_by = %causes.join(" <- "), "{error}");
+            }
+        }
+    }
+}
+
+/// Reports a command line clap refused and returns its exit status (2). `--help` and
+/// `--version` go to stdout as usual. When `--log-format json` (or `PGOUTBOX_LOG_FORMAT=json`)
+/// can be read from the raw arguments, the error is one JSON object on stderr: the
+/// Reports a command line clap refused and returns its exit status (2). `--help` and
+/// `--version` go to stdout as usual. When `--log-format json` (or `PGOUTBOX_LOG_FORMAT=json`)
+/// can be read from the raw arguments, the error is one JSON object on stderr: the
+/// subscriber is not installed yet, since the format is itself a setting.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    let wants_json = {
+        let args: Vec<String> = std::env::args_os()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let from_args = args.iter().enumerate().find_map(|(i, a)| {
+            a.strip_prefix("--log-format=")
+                .map(str::to_owned)
+                .or_else(|| {
+                    (a == "--log-format").then(|| args.get(i + 1).cloned().unwrap_or_default())
+                })
+        });
+        from_args
+            .or_else(|| std::env::var("PGOUTBOX_LOG_FORMAT").ok())
+            .as_deref()
+            == Some("json")
+    };
+    let is_output = matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
+    if !wants_json || is_output {
+        e.exit();
+    }
+    init_tracing(LogFormat::Json);
+    let text = e.render().to_string();
+    let text = text.trim_end();
+    tracing::error!(target: "pgoutbox", "{}", text.strip_prefix("error: ").unwrap_or(text));
+    ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE))
 }
 
 /// Runs the command; `Ok` carries the exit status (`status` exits by health, the others 0).

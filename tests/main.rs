@@ -5,6 +5,7 @@ mod support;
 mod chaos;
 mod cli;
 mod config;
+mod deploy_files;
 mod end_to_end;
 mod errors;
 mod faults;

@@ -201,6 +201,120 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
 /// PLAIN RabbitMQ user, on the publish path and the dead-letter path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_and_passwords_never_reach_the_log() {
+    let log = log_of_a_run_with_secrets(&[]).await;
+    assert!(
+        log.contains("TRACE pgoutbox::pipeline"),
+        "trace logging was on:\n{log}"
+    );
+}
+
+/// README, "Operating it", `--log-format json`: every line the process writes to stderr is
+/// one JSON object with `level`, `target` and `message`, on the same run as above (trace
+/// level, passwords in both URLs, a published and two dead-lettered payloads), and no line
+/// carries a payload or a password. The exit report of a refused login is one object too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_per_line_without_secrets() {
+    let log = log_of_a_run_with_secrets(&["--log-format", "json"]).await;
+    let objects = json_lines(&log);
+    assert!(
+        objects.iter().any(|o| o["level"] == "TRACE"
+            && o["target"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("pgoutbox::pipeline"))),
+        "trace logging was on:\n{log}"
+    );
+    // Structured fields stay fields, at the top level next to the message.
+    assert!(
+        objects.iter().any(|o| o["slot"].is_string()),
+        "no line carries a slot field:\n{log}"
+    );
+    assert!(
+        objects.iter().any(|o| o["lsn"].is_string()),
+        "no line carries an lsn field:\n{log}"
+    );
+    eprintln!("json logs: {} objects", objects.len());
+}
+
+/// Parses every line of `log` as one JSON object with a `level`, a `target` and a
+/// `message` string, naming the first line that is not.
+fn json_lines(log: &str) -> Vec<serde_json::Value> {
+    assert!(!log.trim().is_empty(), "the log is empty");
+    log.lines()
+        .enumerate()
+        .map(|(i, line)| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| {
+                panic!("line {} is not JSON ({e}): {line}\nlog:\n{log}", i + 1)
+            });
+            for key in ["level", "target", "message"] {
+                assert!(
+                    value[key].is_string(),
+                    "line {} has no {key} string: {line}",
+                    i + 1
+                );
+            }
+            value
+        })
+        .collect()
+}
+
+/// The exit report of `run --log-format json` is one JSON object too: a RabbitMQ login
+/// refused (a definite error, exit 1) with the cause chain, without the password; a usage
+/// error (exit 2), found by pgoutbox and found by clap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_exit_reports_are_one_object() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "life_json_exit").await;
+    let password = format!("WrongSecret{}q8R", std::process::id());
+    let bad_amqp = format!("amqp://guest:{password}@127.0.0.1:{}/%2f", rmq.port());
+    let cases: [(&str, Vec<String>, i32); 3] = [
+        ("refused login", vec!["--amqp-url".into(), bad_amqp], 1),
+        (
+            "out of range",
+            vec!["--max-in-flight".into(), "0".into()],
+            2,
+        ),
+        ("unknown flag", vec!["--no-such-flag".into()], 2),
+    ];
+    for (what, extra, code) in cases {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--log-format".into(),
+            "json".into(),
+            "--database-url".into(),
+            ob.url(),
+            "--slot".into(),
+            ob.slot.clone(),
+            "--publication".into(),
+            ob.publication.clone(),
+            "--exchange".into(),
+            ob.exchange.clone(),
+        ];
+        if !extra.contains(&"--amqp-url".to_string()) {
+            args.extend(["--amqp-url".into(), rmq.url()]);
+        }
+        args.extend(extra);
+        let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+        let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+        let log = streamer.log();
+        assert_eq!(status.and_then(|s| s.code()), Some(code), "{what}:\n{log}");
+        let objects = json_lines(&log);
+        let last = objects.last().expect("a line");
+        assert_eq!(last["level"], "ERROR", "{what}: {log}");
+        assert!(
+            !log.contains(&password),
+            "{what}: the password is in the log:\n{log}"
+        );
+        eprintln!(
+            "json exit report, {what}: {}",
+            log.lines().last().unwrap_or("")
+        );
+    }
+}
+
+/// Runs the stream of the secrets tests (`extra` added to `run`'s arguments) and returns
+/// its log, having asserted that no payload and no password appears in it.
+async fn log_of_a_run_with_secrets(extra: &[&str]) -> String {
     let pg = Postgres::start_private(&[]);
     let rmq = RabbitMq::shared();
     let ob = Outbox::new(&pg, &rmq.url(), "life_secrets").await;
@@ -237,6 +351,10 @@ async fn payloads_and_passwords_never_reach_the_log() {
         "--max-message-bytes".into(),
         "2000".into(),
     ];
+    let args: Vec<String> = args
+        .into_iter()
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect();
     let streamer = Streamer::spawn(&args, &[("RUST_LOG", "trace")]);
     // Published, dead-lettered as too large, dead-lettered as poison (not an envelope).
     ob.sql(&format!(
@@ -277,10 +395,6 @@ async fn payloads_and_passwords_never_reach_the_log() {
     );
     let log = streamer.log();
     rmq.ctl_ok(&["delete_user", &amqp_user]);
-    assert!(
-        log.contains("TRACE pgoutbox::pipeline"),
-        "trace logging was on:\n{log}"
-    );
     let as_bytes = |s: &str| {
         s.bytes()
             .map(|b| b.to_string())
@@ -315,4 +429,5 @@ async fn payloads_and_passwords_never_reach_the_log() {
         "secrets: {} log lines at RUST_LOG=trace, no password or payload",
         log.lines().count()
     );
+    log
 }
