@@ -217,8 +217,17 @@ async fn status_exit_codes_for_a_lagging_slot() {
         streamer.log()
     );
     ob.sql("CREATE TABLE junk (x text); INSERT INTO junk SELECT repeat('x', 1000) FROM generate_series(1, 2000)");
-    let lag = ob.lag_bytes();
-    assert!(lag > 1_000_000, "lag {lag}");
+    // The test cluster commits asynchronously: wait until the WAL writer has written it out.
+    let mut lag = 0;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || {
+            lag = ob.lag_bytes();
+            let now = lag;
+            async move { now > 1_000_000 }
+        })
+        .await,
+        "lag {lag}"
+    );
     let (code, json, err) = status(&ob, &[]);
     assert_eq!(code, Some(0), "under the default bounds: {json} {err}");
     let (code, json, err) = status(&ob, &["--warn-lag-bytes", "500000"]);
