@@ -466,7 +466,9 @@ async fn minimal_properties_carry_only_the_id_and_the_producer_headers() {
     ob.sql(r#"SELECT outbox.emit('ok.1', '{"a": 1}', '{"tenant": "t1", "n": 7}', 'min-1')"#);
     let returned_lsn =
         lsn(&ob.sql("SELECT outbox.emit('nobody.home', '{}', '{}', 'min-unroutable')"));
-    ob.sql("SELECT outbox.emit_bytes('ok.2', '\\x00ff'::bytea, 'application/x-raw', '{}', 'min-2')");
+    ob.sql(
+        "SELECT outbox.emit_bytes('ok.2', '\\x00ff'::bytea, 'application/x-raw', '{}', 'min-2')",
+    );
     let streamer = ob.run(&["--exchange", &exchange, "--publish-properties", "minimal"]);
     let got = support::drain_queue(&url, &queue, 2, scaled(Duration::from_secs(20))).await;
     let ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
@@ -488,8 +490,15 @@ async fn minimal_properties_carry_only_the_id_and_the_producer_headers() {
         got[0].header_values.get("tenant"),
         Some(&AMQPValue::LongString("t1".into()))
     );
-    assert_eq!(got[0].header_values.get("n"), Some(&AMQPValue::LongLongInt(7)));
-    assert!(got[1].header_values.is_empty(), "{:?}", got[1].header_values);
+    assert_eq!(
+        got[0].header_values.get("n"),
+        Some(&AMQPValue::LongLongInt(7))
+    );
+    assert!(
+        got[1].header_values.is_empty(),
+        "{:?}",
+        got[1].header_values
+    );
     assert!(
         support::wait_until(scaled(Duration::from_secs(10)), || async {
             ob.confirmed_flush() > returned_lsn
