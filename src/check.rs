@@ -2,23 +2,26 @@
 //!
 //! Each finding is `ok` (a value found), a `warning` (printed; `run` works) or a `problem`
 //! (`run` would stop), with the fix. Postgres is read over plain SQL with the same checks
-//! `run`'s pre-flight makes ([`crate::admin`]); the broker is asked twice: a raw AMQP
-//! handshake up to `connection.start` for its product and version (lapin does not expose
-//! the server properties), then a lapin connection for a passive `exchange.declare` on a
-//! throwaway channel.
+//! `run`'s pre-flight makes ([`crate::admin`]); the broker is asked twice, over the
+//! publisher's own socket (so `amqps://` and its TLS settings work as in `run`): an AMQP
+//! handshake up to `connection.start` for its product and version, then the publisher's
+//! connect step with a passive `exchange.declare` (nothing is created).
 
 use std::time::Duration;
 
 use amq_protocol::frame::{parse_frame, AMQPFrame};
 use amq_protocol::protocol::{connection::AMQPMethod, AMQPClass};
-use lapin::options::ExchangeDeclareOptions;
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use amq_protocol::types::AMQPValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::admin;
 use crate::config::{parse_database_url, RunConfig};
 use crate::error::{render_report, Error};
+use crate::publisher::{
+    self,
+    connection::{self, Declare},
+    socket::{self, Endpoint},
+};
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,98 +257,84 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
 }
 
 async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
-    match tokio::time::timeout(CHECK_TIMEOUT, broker_product(&config.amqp_url)).await {
+    let endpoint = match Endpoint::parse(&config.amqp_url) {
+        Ok(e) => e,
+        Err(e) => {
+            out.push(finding(Severity::Problem, "broker", e.to_string()));
+            return;
+        }
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, broker_product(&endpoint)).await {
         Ok(Ok(product)) => out.push(finding(Severity::Ok, "broker version", product)),
-        Ok(Err(e)) => out.push(finding(
-            Severity::Problem,
-            "broker",
-            format!("{e}; check host and port in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running"),
-        )),
-        Err(_) => out.push(finding(
-            Severity::Problem,
-            "broker",
-            format!("no AMQP connection.start within {} s; check host and port in --amqp-url (PGOUTBOX_AMQP_URL)", CHECK_TIMEOUT.as_secs()),
-        )),
-    }
-    let connect = Connection::connect(&config.amqp_url, ConnectionProperties::default());
-    let connection = match tokio::time::timeout(CHECK_TIMEOUT, connect).await {
-        Ok(Ok(c)) => c,
+        // The login would fail the same way (TCP, TLS, not RabbitMQ): one line says it.
         Ok(Err(e)) => {
-            out.push(finding(
-                Severity::Problem,
-                "broker",
-                format!("cannot open an AMQP connection: {e}; check the user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL)"),
-            ));
+            out.push(finding(Severity::Problem, "broker", e));
             return;
         }
         Err(_) => {
             out.push(finding(
                 Severity::Problem,
                 "broker",
-                format!(
-                    "the AMQP login did not finish within {} s",
-                    CHECK_TIMEOUT.as_secs()
-                ),
+                format!("no AMQP connection.start from {} within {} s; check host and port in --amqp-url (PGOUTBOX_AMQP_URL)", endpoint.address(), CHECK_TIMEOUT.as_secs()),
             ));
             return;
         }
-    };
+    }
     let exchange = &config.exchange;
-    let passive = async {
-        let channel = connection.create_channel().await?;
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-    };
-    match tokio::time::timeout(CHECK_TIMEOUT, passive).await {
-        Ok(Ok(())) => out.push(finding(
-            Severity::Ok,
-            "exchange",
-            format!("{exchange:?} exists"),
-        )),
-        Ok(Err(e)) if broker_reply(&e).is_some_and(|(code, _)| code == 404) => {
+    let opened = connection::open(&endpoint, exchange, Declare::Passive, "pgoutbox check");
+    match tokio::time::timeout(CHECK_TIMEOUT, opened).await {
+        Ok(Ok(opened)) => {
             out.push(finding(
-                Severity::Warning,
+                Severity::Ok,
                 "exchange",
-                format!("{exchange:?} does not exist: `run` declares it (durable topic) when it starts; bind your queues to it before messages flow, or they are returned as unroutable"),
-            ))
+                format!("{exchange:?} exists"),
+            ));
+            let _ = tokio::time::timeout(CHECK_TIMEOUT, opened.close()).await;
         }
-        Ok(Err(e)) => out.push(finding(
+        Ok(Err(publisher::Error::Declare { reply_code: 404, .. })) => out.push(finding(
+            Severity::Warning,
+            "exchange",
+            format!("{exchange:?} does not exist: `run` declares it (durable topic) when it starts; bind your queues to it before messages flow, or they are returned as unroutable"),
+        )),
+        Ok(Err(publisher::Error::Declare {
+            reply_code,
+            reply_text,
+            ..
+        })) => out.push(finding(
             Severity::Problem,
             "exchange",
-            format!("cannot check exchange {exchange:?}: {e}; give the --amqp-url user configure and write permission on it"),
+            format!("cannot check exchange {exchange:?}: RabbitMQ answered {reply_code} {reply_text}; give the --amqp-url user configure and write permission on it"),
+        )),
+        Ok(Err(e)) => out.push(finding(
+            Severity::Problem,
+            "broker",
+            format!("cannot open an AMQP connection: {e}"),
         )),
         Err(_) => out.push(finding(
             Severity::Problem,
-            "exchange",
-            "the passive exchange.declare got no answer",
+            "broker",
+            format!(
+                "the AMQP login and the passive exchange.declare did not finish within {} s",
+                CHECK_TIMEOUT.as_secs()
+            ),
         )),
     }
-    let _ = connection.close(200, "check done".into()).await;
 }
 
-/// Opens a TCP connection, sends the AMQP 0-9-1 protocol header and reads the server's
-/// `connection.start` for `product` and `version`; then closes the socket (no login).
-async fn broker_product(amqp_url: &str) -> Result<String, String> {
-    let uri: lapin::uri::AMQPUri = amqp_url
-        .parse()
-        .map_err(|e| format!("--amqp-url is not an AMQP URL ({e})"))?;
-    let (host, port) = (uri.authority.host.clone(), uri.authority.port);
-    let mut socket = tokio::net::TcpStream::connect((host.as_str(), port))
-        .await
-        .map_err(|e| format!("cannot connect to RabbitMQ at {host}:{port}: {e}"))?;
+/// Connects (TCP, and TLS for `amqps://`), sends the AMQP 0-9-1 protocol header and reads
+/// the server's `connection.start` for `product` and `version`; then closes the socket (no
+/// login).
+async fn broker_product(endpoint: &Endpoint) -> Result<String, String> {
+    let address = endpoint.address();
+    let mut socket = socket::connect(endpoint).await.map_err(|e| e.to_string())?;
     socket
         .write_all(b"AMQP\x00\x00\x09\x01")
         .await
-        .map_err(|e| format!("writing to {host}:{port}: {e}"))?;
+        .map_err(|e| format!("writing to {address}: {e}"))?;
+    socket
+        .flush()
+        .await
+        .map_err(|e| format!("writing to {address}: {e}"))?;
     // connection.start is a few hundred bytes; more than 64 KiB is not an AMQP server.
     let mut buf = Vec::with_capacity(4096);
     loop {
@@ -360,24 +349,30 @@ async fn broker_product(amqp_url: &str) -> Result<String, String> {
             }
             Ok((_, frame)) => {
                 return Err(format!(
-                    "{host}:{port} answered {frame:?}, not connection.start: is it RabbitMQ?"
+                    "{address} answered {frame:?}, not connection.start: is it RabbitMQ?"
                 ))
             }
             Err(e) if e.is_incomplete() && buf.len() < 65_536 => {}
-            Err(_) => {
+            Err(_) if endpoint.tls.is_none() && matches!(buf[..], [0x15 | 0x16, 0x03, ..]) => {
                 return Err(format!(
-                    "{host}:{port} does not speak AMQP 0-9-1: is it RabbitMQ?"
+                    "{address} answered in TLS: it is a TLS listener; use amqps:// for it, or the plain AMQP port (5672 by default)"
                 ))
             }
+            Err(_) => return Err(format!("{address} does not speak AMQP 0-9-1: is it RabbitMQ?")),
         }
         let mut chunk = [0u8; 4096];
         let n = socket
             .read(&mut chunk)
             .await
-            .map_err(|e| format!("reading from {host}:{port}: {e}"))?;
+            .map_err(|e| format!("reading from {address}: {e}"))?;
         if n == 0 {
             return Err(format!(
-                "{host}:{port} closed the connection before connection.start: is it RabbitMQ?"
+                "{address} closed the connection before connection.start: is it RabbitMQ{}?",
+                if endpoint.tls.is_none() {
+                    ", or a TLS listener (use amqps://)"
+                } else {
+                    ""
+                }
             ));
         }
         buf.extend_from_slice(&chunk[..n]);
@@ -405,15 +400,4 @@ pub fn print(findings: &[Finding]) -> usize {
         }
     );
     problems
-}
-
-/// The reply code and text of an AMQP error the broker sent (`channel.close` or
-/// `connection.close`), e.g. `(404, "NOT_FOUND - no exchange 'x' in vhost '/'")`.
-fn broker_reply(e: &lapin::Error) -> Option<(u16, String)> {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => {
-            Some((amqp.get_id(), amqp.get_message().as_str().to_owned()))
-        }
-        _ => None,
-    }
 }

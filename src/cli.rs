@@ -238,7 +238,9 @@ pub struct RunArgs {
     /// Database and slot.
     #[command(flatten)]
     pub db: DbArgs,
-    /// RabbitMQ URL (amqp://user:password@host:port/vhost).
+    /// RabbitMQ URL: amqp://user:password@host:port/vhost, or amqps:// for TLS (verified
+    /// against the system's CAs, or ?cacertfile=/path/ca.pem; client certificate with
+    /// certfile= and keyfile=; server_name_indication= to verify another name).
     #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true)]
     pub amqp_url: String,
     /// Publication name.

@@ -328,7 +328,7 @@ pub fn parse_database_url(url: &str) -> Result<tokio_postgres::Config, Validatio
 pub struct RunConfig {
     /// Postgres connection string (its database holds the slot).
     pub database_url: String,
-    /// `amqp://` URL of the broker.
+    /// `amqp://` or `amqps://` URL of the broker (TLS parameters in its query).
     pub amqp_url: String,
     /// Logical replication slot (pgoutput).
     pub slot: String,
@@ -418,22 +418,14 @@ impl RunConfig {
                 rule: "expected amqp://user:password@host:port/vhost".into(),
             });
         }
-        if self.amqp_url.starts_with("amqps://") {
+        // Parsed here as the publisher will parse it (TLS parameters included), so a
+        // malformed URL is a usage error at start, not a connect failure retried for ever.
+        // The TLS files are read when connecting.
+        if let Err(e) = crate::publisher::socket::Endpoint::parse(&self.amqp_url) {
             return Err(ValidationError {
                 setting: "--amqp-url",
                 value: redact_url(&self.amqp_url),
-                rule: "amqps:// asks for TLS, which is not supported yet".into(),
-            });
-        }
-        // Parsed here as the broker client will parse it, so a malformed URL is a usage
-        // error at start, not a connect failure retried for ever.
-        if let Err(e) = self.amqp_url.parse::<lapin::uri::AMQPUri>() {
-            return Err(ValidationError {
-                setting: "--amqp-url",
-                value: redact_url(&self.amqp_url),
-                rule: format!(
-                    "not an AMQP URL ({e}); expected amqp://user:password@host:port/vhost"
-                ),
+                rule: e.to_string(),
             });
         }
         validate_identifier("--slot", &self.slot)?;

@@ -152,6 +152,11 @@ impl Error {
             Error::Publisher(
                 crate::publisher::Error::Url(_) | crate::publisher::Error::Refused { .. },
             ) => false,
+            // A TLS file in the URL is unreadable or holds no usable certificate or key, or
+            // the system trust store is empty: the same files fail again. (A failed TLS
+            // handshake, a certificate that did not verify included, stays retryable: the
+            // broker's certificate or listener may change while we wait.)
+            Error::Publisher(crate::publisher::Error::TlsSetup { .. }) => false,
             // The exchange exists with another type or durability (406), or the user may
             // not configure it (403): the same declare fails again.
             Error::Publisher(crate::publisher::Error::Declare { reply_code, .. }) => {
@@ -185,4 +190,27 @@ pub fn render_report(error: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publisher::Error as PublisherError;
+
+    #[test]
+    fn an_unusable_tls_file_is_definite_and_a_failed_handshake_is_retried() {
+        let setup = Error::Publisher(PublisherError::TlsSetup {
+            what: "cacertfile=/etc/ca.pem".into(),
+            reason: "no such file".into(),
+            fix: "point it at the CA",
+        });
+        assert!(!setup.is_retryable());
+        let handshake = Error::Publisher(PublisherError::Tls {
+            url: "amqps://u:***@h/%2f".into(),
+            context: "certificate verification failed".into(),
+            fix: "set cacertfile=".into(),
+        });
+        assert!(handshake.is_retryable());
+        assert!(!Error::Publisher(PublisherError::Url("verify=verify_none".into())).is_retryable());
+    }
 }

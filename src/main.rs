@@ -41,7 +41,7 @@ fn main() -> ExitCode {
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
     // itself. The publisher's socket is driven from this thread too (no I/O thread of its
-    // own); only `check` still uses lapin, for a passive exchange.declare.
+    // own), and `check` uses the same connection.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -16,3 +16,4 @@ mod observability;
 mod operations;
 mod proxy_smoke;
 mod status;
+mod tls;

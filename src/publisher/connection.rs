@@ -1,5 +1,6 @@
-//! The connect step: TCP, the AMQP 0-9-1 handshake, one channel in confirm mode, and the
-//! exchange declaration. Kept apart from the streaming session ([`super::Publisher`]) so
+//! The connect step: the socket ([`super::socket::connect`]: TCP, and TLS for `amqps://`),
+//! the AMQP 0-9-1 handshake, one channel in confirm mode, and the exchange declaration.
+//! Kept apart from the streaming session ([`super::Publisher`]) so
 //! that trying several brokers in turn (failover) is a loop around this step.
 //!
 //! Source: AMQP 0-9-1 specification, section 2.2.4 "Connection" (protocol header,
@@ -12,10 +13,9 @@ use std::time::Duration;
 use amq_protocol::frame::{AMQPFrame, ProtocolVersion};
 use amq_protocol::protocol::{channel, confirm, connection, exchange, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
-use amq_protocol::uri::AMQPUri;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
+use super::socket::{self, Endpoint, Socket};
 use super::wire::{self, FRAME_MIN_SIZE};
 use super::Error;
 
@@ -36,11 +36,21 @@ pub struct Tuned {
     pub heartbeat: Option<Duration>,
 }
 
+/// How [`open`] declares the exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declare {
+    /// Declare it as a durable topic exchange (created when absent): what `run` does.
+    DurableTopic,
+    /// Only check that it exists (`passive`): a missing exchange is [`Error::Declare`]
+    /// with reply code 404, and nothing is created.
+    Passive,
+}
+
 /// A connection ready to publish: channel 1 open in confirm mode, exchange declared.
 #[derive(Debug)]
 pub struct Opened {
     /// The socket.
-    pub socket: TcpStream,
+    pub socket: Socket,
     /// Bytes read past the last handshake frame (normally none).
     pub leftover: Vec<u8>,
     /// The negotiated limits.
@@ -57,36 +67,37 @@ fn negotiate(client: u32, server: u32) -> u32 {
     }
 }
 
-/// Connects to the broker `uri` names, logs in with PLAIN, opens channel [`CHANNEL`],
-/// enables publisher confirms and declares `exchange` (durable topic).
+/// Connects to `endpoint` (TCP, and TLS for `amqps://`), logs in with PLAIN, opens
+/// channel [`CHANNEL`], enables publisher confirms and declares `exchange` as `declare`
+/// says.
 ///
 /// # Errors
-/// [`Error::Refused`] for 403 `ACCESS_REFUSED` and 530 `NOT_ALLOWED`; [`Error::Declare`]
-/// when the broker refuses the exchange declaration; [`Error::Connect`] for everything
-/// else (TCP, a broker that does not speak AMQP 0-9-1, a close during the handshake).
+/// [`Error::TlsSetup`] for an unusable TLS file and [`Error::Tls`] for a failed TLS
+/// handshake ([`socket::connect`]); [`Error::Refused`] for 403 `ACCESS_REFUSED` and 530
+/// `NOT_ALLOWED`; [`Error::Declare`] when the broker refuses the exchange declaration (404
+/// for a missing exchange under [`Declare::Passive`]); [`Error::Connect`] for everything
+/// else (TCP, a broker that does not speak AMQP 0-9-1, a TLS listener reached with
+/// `amqp://`, a close during the handshake).
 pub async fn open(
-    uri: &AMQPUri,
-    redacted_url: &str,
+    endpoint: &Endpoint,
     exchange_name: &str,
+    declare: Declare,
     connection_name: &str,
 ) -> Result<Opened, Error> {
+    let uri = &endpoint.uri;
+    let redacted_url = endpoint.redacted_url.as_str();
     let connect_err = |context: String| Error::Connect {
         url: redacted_url.to_owned(),
         context,
     };
-    let address = (uri.authority.host.as_str(), uri.authority.port);
-    let mut socket = TcpStream::connect(address).await.map_err(|e| {
-        connect_err(format!(
-            "TCP connect to {}:{} failed: {e}",
-            uri.authority.host, uri.authority.port
-        ))
-    })?;
-    let _ = socket.set_nodelay(true);
+    let mut socket = socket::connect(endpoint).await?;
     let mut hs = Handshake {
         socket: &mut socket,
         buf: Vec::with_capacity(4096),
         frame_max: FRAME_MIN_SIZE,
         url: redacted_url,
+        address: endpoint.address(),
+        tls: endpoint.tls.is_some(),
     };
     let mut out = Vec::with_capacity(512);
     wire::encode(
@@ -190,7 +201,7 @@ pub async fn open(
         AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
             exchange,
             kind: ShortString::from("topic"),
-            passive: false,
+            passive: declare == Declare::Passive,
             durable: true,
             auto_delete: false,
             internal: false,
@@ -246,12 +257,52 @@ fn client_properties(connection_name: &str) -> FieldTable {
     props
 }
 
+impl Opened {
+    /// Closes the connection (`connection.close` 200, then waits for `close-ok` or EOF).
+    /// Best effort; the caller bounds how long it may take.
+    pub async fn close(mut self) {
+        let close = AMQPFrame::Method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: 200,
+                reply_text: ShortString::from("pgoutbox done"),
+                class_id: 0,
+                method_id: 0,
+            })),
+        );
+        let mut out = Vec::with_capacity(64);
+        if wire::encode(&mut out, &close).is_err()
+            || self.socket.write_all(&out).await.is_err()
+            || self.socket.flush().await.is_err()
+        {
+            return;
+        }
+        // The broker answers close-ok and closes the socket: read until then.
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = self.socket.read(&mut buf).await {
+            if n == 0 {
+                return;
+            }
+        }
+    }
+}
+
+/// The first bytes of a TLS record (content type handshake 22 or alert 21, then major
+/// version 3): what a TLS listener answers to the AMQP protocol header.
+fn looks_like_tls(buf: &[u8]) -> bool {
+    matches!(buf, [0x15 | 0x16, 0x03, ..])
+}
+
 /// The handshake's reads and writes: one frame at a time, with a buffer.
 struct Handshake<'a> {
-    socket: &'a mut TcpStream,
+    socket: &'a mut Socket,
     buf: Vec<u8>,
     frame_max: u32,
     url: &'a str,
+    /// `host:port`, for messages.
+    address: String,
+    /// Whether the socket is TLS (`amqps://`).
+    tls: bool,
 }
 
 impl Handshake<'_> {
@@ -274,10 +325,11 @@ impl Handshake<'_> {
     }
 
     async fn write(&mut self, bytes: &[u8]) -> Result<(), Error> {
-        self.socket
-            .write_all(bytes)
-            .await
-            .map_err(|e| self.err(format!("writing the AMQP handshake failed: {e}")))
+        let written = match self.socket.write_all(bytes).await {
+            Ok(()) => self.socket.flush().await,
+            Err(e) => Err(e),
+        };
+        written.map_err(|e| self.err(format!("writing the AMQP handshake failed: {e}")))
     }
 
     async fn send(&mut self, channel: u16, method: AMQPClass) -> Result<(), Error> {
@@ -314,6 +366,12 @@ impl Handshake<'_> {
         loop {
             // A server answering the protocol header with its own (a version mismatch) is
             // 8 bytes starting "AMQP".
+            if !self.tls && self.buf.len() >= 2 && looks_like_tls(&self.buf) {
+                return Err(self.err(format!(
+                    "the server at {} answered in TLS: it is a TLS listener; use amqps:// for it (with cacertfile= if its CA is not in the system trust store), or the plain AMQP port (5672 by default)",
+                    self.address
+                )));
+            }
             if self.buf.starts_with(b"AMQP") && self.buf.len() >= 8 {
                 return Err(self.err(format!(
                     "the broker does not speak AMQP 0-9-1 (it answered with protocol header {:?})",
@@ -341,10 +399,11 @@ impl Handshake<'_> {
                 .await
                 .map_err(|e| self.err(format!("reading the AMQP handshake failed: {e}")))?;
             if n == 0 {
-                return Err(self.err(
-                    "the broker closed the connection during the AMQP handshake (a wrong port, a TLS-only listener, or a refused login on a broker without authentication_failure_close)"
-                        .into(),
-                ));
+                return Err(self.err(if self.tls {
+                    "the broker closed the connection during the AMQP handshake (a wrong port, or a refused login on a broker without authentication_failure_close)".into()
+                } else {
+                    format!("the broker closed the connection during the AMQP handshake (a wrong port, a TLS listener: use amqps:// for {}, or a refused login on a broker without authentication_failure_close)", self.address)
+                }));
             }
             self.buf.extend_from_slice(&chunk[..n]);
         }

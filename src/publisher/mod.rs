@@ -25,6 +25,8 @@ pub mod confirms;
 pub mod connection;
 pub mod message;
 pub mod outcome;
+pub mod socket;
+pub mod tls;
 pub mod wire;
 
 use std::future::{poll_fn, Future};
@@ -37,9 +39,7 @@ use std::time::Duration;
 use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{basic, channel, connection as conn, AMQPClass, BasicProperties};
 use amq_protocol::types::{AMQPValue, ShortString};
-use amq_protocol::uri::{AMQPScheme, AMQPUri};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
 use crate::lsn::Lsn;
@@ -47,6 +47,7 @@ use confirms::{Confirms, ReturnedKey, Violation};
 pub use connection::{CHANNEL, DEFAULT_HEARTBEAT_S};
 pub use message::{MatchKey, OutboundMessage};
 pub use outcome::PublishOutcome;
+use socket::{Endpoint, Socket};
 
 /// The header that carries each publish's match key (the message LSN, `X/Y`).
 pub const MATCH_KEY_HEADER: &str = "x-pgoutbox-lsn";
@@ -69,8 +70,8 @@ pub enum Error {
     /// The AMQP URL is not usable.
     #[error("invalid AMQP URL: {0}")]
     Url(String),
-    /// Connecting failed: TCP, the handshake, or a close the broker sent during it.
-    /// Retryable.
+    /// Connecting failed: TCP, the AMQP handshake (a TLS listener reached with `amqp://`
+    /// among the causes), or a close the broker sent during it. Retryable.
     #[error("RabbitMQ at {url}: {context}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running")]
     Connect {
         /// The redacted URL.
@@ -89,6 +90,30 @@ pub enum Error {
         reply_code: u16,
         /// The broker's reply text, e.g. `ACCESS_REFUSED - Login was refused ...`.
         reply_text: String,
+        /// What to change.
+        fix: String,
+    },
+    /// A TLS file named in the URL (`cacertfile=`, `certfile=`, `keyfile=`) cannot be used,
+    /// or the system trust store holds no CA certificate. Definite: the same file fails
+    /// again.
+    #[error("amqps: cannot use {what} from --amqp-url (PGOUTBOX_AMQP_URL): {reason}; {fix}")]
+    TlsSetup {
+        /// The setting and its value (`cacertfile=/etc/ca.pem`), or "the system trust store".
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+        /// What to change.
+        fix: &'static str,
+    },
+    /// The TLS handshake failed: the broker's certificate did not verify (unknown CA, wrong
+    /// name, expired), the port is not a TLS listener, or the broker sent an alert.
+    /// Retryable: a broker's certificate or listener can change while we wait.
+    #[error("RabbitMQ at {url}: {context}; {fix}")]
+    Tls {
+        /// The redacted URL.
+        url: String,
+        /// What happened, with rustls' reason.
+        context: String,
         /// What to change.
         fix: String,
     },
@@ -173,7 +198,9 @@ impl Error {
 /// Settings of one publisher connection.
 #[derive(Clone)]
 pub struct PublisherConfig {
-    /// `amqp://user:pass@host:port/vhost[?heartbeat=S&frame_max=BYTES]` (no TLS yet).
+    /// `amqp://user:pass@host:port/vhost[?heartbeat=S&frame_max=BYTES]`, or `amqps://`
+    /// with the TLS parameters of [`tls`] (`cacertfile=`, `certfile=`, `keyfile=`,
+    /// `server_name_indication=`).
     pub amqp_url: String,
     /// The durable topic exchange to publish to (declared if absent).
     pub exchange: String,
@@ -228,7 +255,7 @@ struct Returning {
 /// and read outcomes with [`Publisher::recv_outcomes`]. `T` is the caller's tag, handed
 /// back with each outcome.
 pub struct Publisher<T> {
-    socket: TcpStream,
+    socket: Socket,
     url: String,
     exchange: String,
     frame_max: u32,
@@ -236,6 +263,9 @@ pub struct Publisher<T> {
     /// Encoded frames; `out[written..]` is not yet written.
     out: Vec<u8>,
     written: usize,
+    /// Bytes were written since the last completed flush: a TLS socket may still hold
+    /// them as records in rustls' buffer.
+    unflushed: bool,
     /// Read buffer; `inbuf[in_start..in_end]` holds bytes not yet framed.
     inbuf: Vec<u8>,
     in_start: usize,
@@ -266,25 +296,26 @@ impl<T> std::fmt::Debug for Publisher<T> {
 }
 
 impl<T> Publisher<T> {
-    /// Connects, logs in (PLAIN), opens channel 1 in confirm mode and declares the exchange
-    /// (durable topic), all within [`CONNECT_TIMEOUT`].
+    /// Connects (TCP, and TLS for `amqps://`), logs in (PLAIN), opens channel 1 in confirm
+    /// mode and declares the exchange (durable topic), all within [`CONNECT_TIMEOUT`].
     ///
     /// # Errors
-    /// [`Error::Url`] for an unparsable URL or `amqps://` (TLS not supported yet);
-    /// [`Error::Refused`] when the broker refuses the login or the vhost;
-    /// [`Error::ConnectTimeout`]; [`Error::Connect`]; [`Error::Declare`].
+    /// [`Error::Url`] for an unusable URL; [`Error::TlsSetup`] for an unusable TLS file;
+    /// [`Error::Tls`] when the TLS handshake fails; [`Error::Refused`] when the broker
+    /// refuses the login or the vhost; [`Error::ConnectTimeout`]; [`Error::Connect`];
+    /// [`Error::Declare`].
     pub async fn connect(config: &PublisherConfig) -> Result<Self, Error> {
         let url = crate::config::redact_url(&config.amqp_url);
-        let uri =
-            AMQPUri::from_str(&config.amqp_url).map_err(|e| Error::Url(format!("{url}: {e}")))?;
-        if uri.scheme == AMQPScheme::AMQPS {
-            return Err(Error::Url(
-                "amqps:// asks for TLS, which is not supported yet; use amqp:// on a trusted network or a local TLS tunnel".into(),
-            ));
-        }
+        let endpoint =
+            Endpoint::parse(&config.amqp_url).map_err(|e| Error::Url(format!("{url}: {e}")))?;
         let opened = tokio::time::timeout(
             CONNECT_TIMEOUT,
-            connection::open(&uri, &url, &config.exchange, &config.connection_name),
+            connection::open(
+                &endpoint,
+                &config.exchange,
+                connection::Declare::DurableTopic,
+                &config.connection_name,
+            ),
         )
         .await
         .map_err(|_| Error::ConnectTimeout {
@@ -309,6 +340,7 @@ impl<T> Publisher<T> {
             heartbeat: opened.tuned.heartbeat,
             out: Vec::with_capacity(64 * 1024),
             written: 0,
+            unflushed: false,
             inbuf,
             in_start: 0,
             in_end: leftover,
@@ -496,6 +528,7 @@ impl<T> Publisher<T> {
                 }
                 Poll::Ready(Ok(n)) => {
                     self.written += n;
+                    self.unflushed = true;
                     self.last_write = Instant::now();
                 }
                 Poll::Ready(Err(e)) => {
@@ -509,6 +542,15 @@ impl<T> Publisher<T> {
         self.written = 0;
         if self.out.capacity() > KEEP_WRITE_CAPACITY {
             self.out = Vec::with_capacity(64 * 1024);
+        }
+        // TLS: a write may leave records in rustls' buffer when the socket would block;
+        // flushing sends them (a no-op on plain TCP). Pending registers the waker.
+        if self.unflushed {
+            match Pin::new(&mut self.socket).poll_flush(cx) {
+                Poll::Ready(Ok(())) => self.unflushed = false,
+                Poll::Ready(Err(e)) => self.fail(format!("writing to RabbitMQ failed: {e}")),
+                Poll::Pending => {}
+            }
         }
     }
 

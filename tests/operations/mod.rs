@@ -141,19 +141,50 @@ async fn run_refuses_bad_settings_before_touching_anything() {
         "{}",
         stderr(&out)
     );
-    let tls_amqp = amqp.replace("amqp://", "amqps://");
-    let out = pgoutbox(&["run", "--database-url", &url, "--amqp-url", &tls_amqp]);
-    assert!(
-        !out.status.success() && out.status.code().is_some(),
-        "TLS refused with a non-zero exit: {:?}\n{}",
-        out.status,
-        stderr(&out)
-    );
-    assert!(
-        stderr(&out).contains("TLS, which is not supported yet"),
-        "{}",
-        stderr(&out)
-    );
+    // RabbitMQ TLS: a TLS setting on amqp:// is refused (never plaintext where TLS was
+    // meant), verification cannot be switched off, and an unreadable CA file is a definite
+    // error (run exits rather than retrying), all before the slot is taken.
+    let missing_ca = "/nonexistent/pgoutbox-ca.pem";
+    for (broker_url, expected) in [
+        (
+            format!("{amqp}?cacertfile={missing_ca}"),
+            "cacertfile= is a TLS setting, and amqp:// does not use TLS; use amqps://".to_owned(),
+        ),
+        (
+            format!("{}?verify=verify_none", amqp.replace("amqp://", "amqps://")),
+            "pgoutbox always verifies the broker's certificate".to_owned(),
+        ),
+        (
+            format!(
+                "{}?cacertfile={missing_ca}",
+                amqp.replace("amqp://", "amqps://")
+            ),
+            format!("amqps: cannot use cacertfile={missing_ca} from --amqp-url (PGOUTBOX_AMQP_URL): no such file"),
+        ),
+    ] {
+        let out = pgoutbox(&[
+            "run",
+            "--database-url",
+            &url,
+            "--amqp-url",
+            &broker_url,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+        ]);
+        assert!(
+            !out.status.success() && out.status.code().is_some(),
+            "{broker_url}: {:?}\n{}",
+            out.status,
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains(&expected),
+            "{expected:?} in:\n{}",
+            stderr(&out)
+        );
+    }
     // Nothing took the slot.
     assert!(!ob.slot_active());
 }

@@ -79,12 +79,22 @@ impl<'a> Outbox<'a> {
 
     /// Like [`Outbox::run`] with another database URL (auth variants, Unix socket).
     pub fn run_with_url(&self, url: &str, extra: &[&str]) -> Streamer {
+        self.run_with_urls(url, &self.amqp_url, extra)
+    }
+
+    /// Like [`Outbox::run`] with another broker URL for the streamer (`amqps://`); the
+    /// outbox's own URL stays the tests' for queues and consumers.
+    pub fn run_with_amqp_url(&self, amqp_url: &str, extra: &[&str]) -> Streamer {
+        self.run_with_urls(&self.url(), amqp_url, extra)
+    }
+
+    fn run_with_urls(&self, url: &str, amqp_url: &str, extra: &[&str]) -> Streamer {
         let mut args: Vec<String> = vec![
             "run".into(),
             "--database-url".into(),
             url.into(),
             "--amqp-url".into(),
-            self.amqp_url.clone(),
+            amqp_url.into(),
             "--slot".into(),
             self.slot.clone(),
             "--publication".into(),

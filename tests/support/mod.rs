@@ -27,6 +27,7 @@ pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
 pub mod streamer;
+pub mod tls;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -47,6 +48,7 @@ pub use postgres::Postgres;
 pub use proxy::Proxy;
 pub use rabbit::RabbitMq;
 pub use streamer::Streamer;
+pub use tls::TlsRabbit;
 
 /// Scale factor for durations/counts, from `PGOUTBOX_TEST_SCALE` (default 1.0).
 pub fn scale() -> f64 {

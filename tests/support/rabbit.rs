@@ -50,7 +50,18 @@ impl RabbitMq {
         RabbitMq::start_new(true, extra_conf)
     }
 
+    /// A private node with extra `rabbitmq.conf` lines and files written into its
+    /// directory before it starts (certificates, say); `{root}` in `extra_conf` is replaced
+    /// by that directory. The files go away with the node.
+    pub fn start_private_with_files(extra_conf: &str, files: &[(&str, &[u8])]) -> RabbitMq {
+        RabbitMq::start_new_with_files(true, extra_conf, files)
+    }
+
     fn start_new(private: bool, extra_conf: &str) -> RabbitMq {
+        RabbitMq::start_new_with_files(private, extra_conf, &[])
+    }
+
+    fn start_new_with_files(private: bool, extra_conf: &str, files: &[(&str, &[u8])]) -> RabbitMq {
         let t0 = Instant::now();
         let bin = find_bin_dir();
         let root = make_server_dir("pgoutbox-rmq-");
@@ -79,6 +90,10 @@ impl RabbitMq {
         set_mode(&r.root.join("home"), 0o700);
         std::fs::write(r.root.join("enabled_plugins"), "[].\n").unwrap();
         std::fs::write(r.root.join("rabbitmq-env.conf"), "").unwrap();
+        for (name, contents) in files {
+            std::fs::write(r.root.join(name), contents).expect("write node file");
+        }
+        let extra_conf = extra_conf.replace("{root}", &r.root.display().to_string());
         std::fs::write(
             r.root.join("rabbitmq.conf"),
             format!(

@@ -1,0 +1,248 @@
+//! `amqps://` against a real RabbitMQ with a TLS listener (one node shared by these tests,
+//! certificates made by the test): the stream over TLS with `cacertfile=` and a client
+//! certificate; a wrong CA, a plaintext port and a TLS port reached with `amqp://` each
+//! refused with what happened and the fix, nothing acknowledged; `check` over TLS.
+
+use std::time::Duration;
+
+use crate::support::tls::CLIENT_CN;
+use crate::support::{scaled, Outbox, Postgres, Streamer, TlsRabbit};
+
+/// Emits `n` messages with ids `tls-1` .. `tls-n`, one transaction each.
+fn emit(ob: &Outbox<'_>, n: usize) {
+    ob.sql(&format!(
+        "DO $$ BEGIN FOR i IN 1..{n} LOOP PERFORM outbox.emit('tls.' || i, jsonb_build_object('n', i), '{{}}', 'tls-' || i); COMMIT; END LOOP; END $$"
+    ));
+}
+
+/// `pgoutbox check` for `ob` against `amqp_url`: (exit code, stdout and stderr).
+fn check(ob: &Outbox<'_>, amqp_url: &str) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args([
+            "check",
+            "--database-url",
+            &ob.url(),
+            "--amqp-url",
+            amqp_url,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+            "--exchange",
+            &ob.exchange,
+        ])
+        .env("NO_COLOR", "1")
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .expect("run pgoutbox check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// Waits for `pattern` in the streamer's log; fails the test with the log otherwise.
+async fn expect_log(streamer: &Streamer, pattern: &str) {
+    assert!(
+        streamer
+            .wait_for_log(pattern, scaled(Duration::from_secs(30)))
+            .await,
+        "{pattern:?} never appeared in the log:\n{}",
+        streamer.log()
+    );
+    let log = streamer.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(pattern))
+        .unwrap_or_default();
+    println!("{line}");
+}
+
+/// A streamer that cannot connect: it keeps retrying (the error is retryable), holds no
+/// slot, publishes nothing and acknowledges nothing.
+async fn assert_nothing_acknowledged(ob: &Outbox<'_>, streamer: &Streamer, flushed_before: u64) {
+    // Two failed attempts: it retried rather than exiting.
+    let retried = crate::support::wait_until(scaled(Duration::from_secs(30)), || async {
+        streamer.log_count("session failed; reconnecting") >= 2
+    })
+    .await;
+    assert!(retried, "no second attempt:\n{}", streamer.log());
+    assert!(streamer.try_status().is_none(), "{}", streamer.log());
+    assert!(!streamer.log().contains("streaming"), "{}", streamer.log());
+    assert!(!ob.slot_active(), "the slot was taken");
+    assert_eq!(ob.confirmed_flush(), flushed_before, "the slot moved");
+    let got = ob.drain(1, Duration::from_millis(300)).await;
+    assert!(got.is_empty(), "published {} messages", got.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_over_amqps_verified_by_cacertfile_with_a_client_certificate() {
+    let tls = TlsRabbit::shared();
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &tls.rabbit.url(), "tls_e2e").await;
+    let before = ob.confirmed_flush();
+    emit(&ob, 300);
+    let url = tls.amqps_url(&format!(
+        "{}&certfile={}&keyfile={}",
+        tls.cacertfile(),
+        tls.client_cert.display(),
+        tls.client_key.display()
+    ));
+    let streamer = ob.run_with_amqp_url(&url, &["--instance-id", "tls-e2e"]);
+    let got = ob.drain(300, scaled(Duration::from_secs(60))).await;
+    let mut ids: Vec<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    assert_eq!(ids.len(), 300, "{}", streamer.log());
+    ids.sort_by_key(|id| id.trim_start_matches("tls-").parse::<u32>().unwrap());
+    ids.dedup();
+    assert_eq!(ids.len(), 300, "each message once");
+    assert_eq!(ids[0], "tls-1");
+    assert_eq!(ids[299], "tls-300");
+
+    // The broker saw this connection over TLS, with our client certificate.
+    let connections = tls.rabbit.ctl_ok(&[
+        "-q",
+        "list_connections",
+        "client_properties",
+        "ssl",
+        "peer_cert_subject",
+    ]);
+    let ours = connections
+        .lines()
+        .find(|l| l.contains("pgoutbox tls-e2e"))
+        .unwrap_or_else(|| panic!("no connection named pgoutbox tls-e2e in:\n{connections}"));
+    assert!(ours.contains("\ttrue\t"), "not TLS: {ours}");
+    assert!(
+        ours.contains(&format!("CN={CLIENT_CN}")),
+        "no client certificate: {ours}"
+    );
+
+    // The slot advances over what was confirmed.
+    let advanced = crate::support::wait_until(scaled(Duration::from_secs(20)), || async {
+        ob.confirmed_flush() > before && ob.lag_bytes() < 16 * 1024 * 1024
+    })
+    .await;
+    assert!(advanced, "the slot did not advance:\n{}", streamer.log());
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", streamer.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_ca_is_refused_with_the_fix_and_nothing_is_acknowledged() {
+    let tls = TlsRabbit::shared();
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &tls.rabbit.url(), "tls_wrong_ca").await;
+    emit(&ob, 20);
+    let before = ob.confirmed_flush();
+    let streamer = ob.run_with_amqp_url(
+        &tls.amqps_url(&format!("cacertfile={}", tls.other_ca.display())),
+        &[],
+    );
+    expect_log(
+        &streamer,
+        &format!(
+            "certificate verification failed for \"127.0.0.1\" against cacertfile={}",
+            tls.other_ca.display()
+        ),
+    )
+    .await;
+    expect_log(
+        &streamer,
+        "set cacertfile= in the URL to the CA that signed the broker's certificate",
+    )
+    .await;
+    assert!(
+        streamer.log().contains("UnknownIssuer"),
+        "{}",
+        streamer.log()
+    );
+    assert_nothing_acknowledged(&ob, &streamer, before).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wrong_listener_is_named_either_way() {
+    let tls = TlsRabbit::shared();
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &tls.rabbit.url(), "tls_ports").await;
+    emit(&ob, 5);
+    let before = ob.confirmed_flush();
+
+    // amqps:// to the plain AMQP port.
+    let plain = tls.rabbit.port();
+    let url = format!(
+        "amqps://guest:guest@127.0.0.1:{plain}/%2f?{}",
+        tls.cacertfile()
+    );
+    let streamer = ob.run_with_amqp_url(&url, &[]);
+    expect_log(
+        &streamer,
+        &format!("the server at 127.0.0.1:{plain} did not answer in TLS"),
+    )
+    .await;
+    expect_log(
+        &streamer,
+        &format!("is 127.0.0.1:{plain} the TLS listener?"),
+    )
+    .await;
+    assert_nothing_acknowledged(&ob, &streamer, before).await;
+    drop(streamer);
+
+    // amqp:// to the TLS port.
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", tls.tls_port);
+    let streamer = ob.run_with_amqp_url(&url, &[]);
+    expect_log(&streamer, "use amqps:// for").await;
+    assert!(
+        streamer
+            .log()
+            .contains(&format!("127.0.0.1:{}", tls.tls_port)),
+        "{}",
+        streamer.log()
+    );
+    assert_nothing_acknowledged(&ob, &streamer, before).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_works_over_amqps_and_names_a_certificate_for_another_name() {
+    let tls = TlsRabbit::shared();
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &tls.rabbit.url(), "tls_check").await;
+
+    let (code, text) = check(&ob, &tls.amqps_url(&tls.cacertfile()));
+    println!("{text}");
+    assert_eq!(code, Some(0), "{text}");
+    for want in [
+        "broker version:         RabbitMQ 3.",
+        &format!("exchange:               \"{}\" exists", ob.exchange),
+    ] {
+        assert!(text.contains(want), "{want:?} in\n{text}");
+    }
+
+    // The broker's certificate names localhost and 127.0.0.1, not this.
+    let (code, text) = check(
+        &ob,
+        &tls.amqps_url(&format!(
+            "{}&server_name_indication=broker.example",
+            tls.cacertfile()
+        )),
+    );
+    println!("{text}");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("the broker's certificate is not valid for the name \"broker.example\"")
+            && text.contains("set server_name_indication= to one of them"),
+        "{text}"
+    );
+
+    // Without cacertfile= the system trust store does not know the test CA.
+    let (code, text) = check(&ob, &tls.amqps_url(""));
+    println!("{text}");
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("certificate verification failed for \"127.0.0.1\"")
+            && (text.contains("against the system trust store")
+                || text.contains("cannot use the system trust store")),
+        "{text}"
+    );
+}
