@@ -423,7 +423,10 @@ impl Core {
                         let delay = (NACK_RETRY_MIN
                             * 2u32.saturating_pow(m.attempts.saturating_sub(1)))
                         .min(NACK_RETRY_MAX);
-                        tracing::warn!(lsn = %m.lsn, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
+                        let message_id = envelope::decode(m.content.clone())
+                            .map(|e| e.message_id)
+                            .unwrap_or_default();
+                        tracing::warn!(lsn = %m.lsn, message_id = %message_id, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
                         self.in_flight.retry_at(seq, Instant::now() + delay);
                     }
                 }
@@ -432,8 +435,8 @@ impl Core {
                     reply_text,
                 } => {
                     self.telemetry.returned();
-                    let topic = envelope::decode(m.content.clone())
-                        .map(|e| e.topic)
+                    let (topic, message_id) = envelope::decode(m.content.clone())
+                        .map(|e| (e.topic, e.message_id))
                         .unwrap_or_default();
                     let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for routing key {topic:?}", self.config.exchange);
                     m.first_error.get_or_insert_with(|| error.clone());
@@ -446,6 +449,7 @@ impl Core {
                                 .min(BLOCK_RETRY_MAX);
                             tracing::error!(
                                 lsn = %m.lsn,
+                                message_id = %message_id,
                                 attempt = m.attempts,
                                 retry_in_ms = delay.as_millis() as u64,
                                 error = %error,
