@@ -199,7 +199,13 @@ impl Shared {
 }
 
 enum Command {
-    Write(Vec<u8>, oneshot::Sender<()>),
+    /// Bytes to write in one write; `closing` when they end with our `connection.close`
+    /// (the client's close-ok then ends the connection).
+    Write {
+        bytes: Vec<u8>,
+        closing: bool,
+        done: oneshot::Sender<()>,
+    },
     StopHeartbeats,
     CloseSocket(oneshot::Sender<()>),
 }
@@ -217,7 +223,7 @@ pub struct FakeBroker {
 impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Command::Write(bytes, _) => write!(f, "Write({} bytes)", bytes.len()),
+            Command::Write { bytes, .. } => write!(f, "Write({} bytes)", bytes.len()),
             Command::StopHeartbeats => write!(f, "StopHeartbeats"),
             Command::CloseSocket(_) => write!(f, "CloseSocket"),
         }
@@ -410,11 +416,7 @@ impl FakeBroker {
     /// # Panics
     /// When the connection is closed.
     pub async fn send_frames(&self, frames: &[AMQPFrame]) {
-        let mut bytes = Vec::new();
-        for frame in frames {
-            bytes = encode(bytes, frame);
-        }
-        self.send_raw(bytes).await;
+        self.send_raw(encode_frames(frames)).await;
     }
 
     /// Writes raw bytes in one write; returns once written.
@@ -422,9 +424,17 @@ impl FakeBroker {
     /// # Panics
     /// When the connection is closed.
     pub async fn send_raw(&self, bytes: Vec<u8>) {
+        self.write(bytes, false).await
+    }
+
+    async fn write(&self, bytes: Vec<u8>, closing: bool) {
         let (done, written) = oneshot::channel();
         self.commands
-            .send(Command::Write(bytes, done))
+            .send(Command::Write {
+                bytes,
+                closing,
+                done,
+            })
             .expect("fake broker: the server task is gone");
         written
             .await
@@ -468,7 +478,7 @@ impl FakeBroker {
     /// `connection.close(code, text)`; the client is expected to answer with
     /// `connection.close-ok`, after which the fake closes the socket.
     pub async fn send_connection_close(&self, code: u16, text: &str) {
-        self.send_frames(&[connection_close(code, text, 0, 0)])
+        self.write(encode_frames(&[connection_close(code, text, 0, 0)]), true)
             .await
     }
 
@@ -619,6 +629,11 @@ pub fn return_frames(
     frames
 }
 
+/// `frames` encoded back to back, as they go on the wire.
+pub fn encode_frames(frames: &[AMQPFrame]) -> Vec<u8> {
+    frames.iter().fold(Vec::new(), encode)
+}
+
 fn encode(buf: Vec<u8>, frame: &AMQPFrame) -> Vec<u8> {
     match gen_frame(frame)(WriteContext::from(buf)) {
         Ok(ctx) => ctx.into_inner().0,
@@ -691,11 +706,7 @@ impl Conn {
     }
 
     async fn write(&mut self, frames: &[AMQPFrame]) -> bool {
-        let mut bytes = Vec::new();
-        for frame in frames {
-            bytes = encode(bytes, frame);
-        }
-        self.writer.write_all(&bytes).await.is_ok()
+        self.writer.write_all(&encode_frames(frames)).await.is_ok()
     }
 
     async fn run(&mut self, commands: &mut mpsc::UnboundedReceiver<Command>) {
@@ -749,7 +760,8 @@ impl Conn {
                 }
                 command = commands.recv() => match command {
                     None => return,
-                    Some(Command::Write(bytes, done)) => {
+                    Some(Command::Write { bytes, closing, done }) => {
+                        self.closing |= closing;
                         if self.writer.write_all(&bytes).await.is_err() {
                             return;
                         }
