@@ -311,7 +311,7 @@ async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
             "exchange",
             format!("{exchange:?} exists"),
         )),
-        Ok(Err(e)) if crate::publisher::broker_reply(&e).is_some_and(|(code, _)| code == 404) => {
+        Ok(Err(e)) if broker_reply(&e).is_some_and(|(code, _)| code == 404) => {
             out.push(finding(
                 Severity::Warning,
                 "exchange",
@@ -405,4 +405,15 @@ pub fn print(findings: &[Finding]) -> usize {
         }
     );
     problems
+}
+
+/// The reply code and text of an AMQP error the broker sent (`channel.close` or
+/// `connection.close`), e.g. `(404, "NOT_FOUND - no exchange 'x' in vhost '/'")`.
+fn broker_reply(e: &lapin::Error) -> Option<(u16, String)> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            Some((amqp.get_id(), amqp.get_message().as_str().to_owned()))
+        }
+        _ => None,
+    }
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{
-    RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP, DEFAULT_EXCHANGE,
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
+    PublishProperties, RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP,
+    DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
     DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
     DEFAULT_STALL_AFTER,
@@ -193,6 +193,18 @@ pub enum OnUnroutable {
     Block,
 }
 
+/// What `run` puts into each message (see `--publish-properties`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PublishPropertiesArg {
+    /// message_id, content_type, persistent, timestamp, the producer's headers and ours
+    /// (message LSN, commit LSN, commit time).
+    Full,
+    /// Only persistent, message_id, the routing key and the producer's own headers: cheaper
+    /// for the broker, but consumers lose the commit time and LSN headers.
+    Minimal,
+}
+
 /// Connection to Postgres and the slot's name.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
@@ -263,6 +275,12 @@ pub struct RunArgs {
     /// What to do with a message returned as unroutable (no queue bound for its key).
     #[arg(long, env = "PGOUTBOX_ON_UNROUTABLE", value_enum, default_value_t = OnUnroutable::DeadLetter)]
     pub on_unroutable: OnUnroutable,
+    /// What each message carries: `full` (message_id, content_type, timestamp, the
+    /// producer's headers and ours: x-pgoutbox-lsn, x-pgoutbox-commit-lsn,
+    /// x-pgoutbox-commit-time-us) or `minimal` (persistent, message_id, routing key and the
+    /// producer's headers only; consumers can no longer detect order inversions).
+    #[arg(long, env = "PGOUTBOX_PUBLISH_PROPERTIES", value_enum, default_value_t = PublishPropertiesArg::Full)]
+    pub publish_properties: PublishPropertiesArg,
     /// Publish attempts for a nacked message before it is dead-lettered (1 to 1000).
     #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = parse_whole_number::<u32>)]
     pub max_attempts: u32,
@@ -274,10 +292,11 @@ pub struct RunArgs {
     /// its JSON header (id, topic, content type, producer headers) and 5 bytes of framing.
     #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_message_bytes: usize,
-    /// Microseconds between two small reads of the replication stream: under a steady
-    /// trickle of transactions, one read (and one publish batch) per interval instead of
-    /// one per transaction. Adds at most this much latency; 0 reads every transaction at once
-    /// (0 to 100000).
+    /// Microseconds between two small reads of the replication stream while publishes are
+    /// unconfirmed: under a steady stream of transactions, one read (and one publish batch)
+    /// per interval instead of one per transaction. When nothing is unconfirmed (low rates)
+    /// the next read is immediate. Adds at most this much latency; 0 reads every transaction
+    /// at once (0 to 100000).
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,
     /// The broker's max_message_size in bytes, if known: payloads larger than this are
@@ -327,6 +346,10 @@ impl RunArgs {
             on_unroutable: match self.on_unroutable {
                 OnUnroutable::DeadLetter => UnroutablePolicy::DeadLetter,
                 OnUnroutable::Block => UnroutablePolicy::Block,
+            },
+            publish_properties: match self.publish_properties {
+                PublishPropertiesArg::Full => PublishProperties::Full,
+                PublishPropertiesArg::Minimal => PublishProperties::Minimal,
             },
             max_attempts: self.max_attempts,
             max_message_bytes: self.max_message_bytes,

@@ -137,6 +137,18 @@ pub enum UnroutablePolicy {
     Block,
 }
 
+/// What each published message carries besides its body and routing key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishProperties {
+    /// `message_id`, `content_type`, `delivery_mode` 2, `timestamp` (s), the producer's
+    /// headers, and ours: `x-pgoutbox-lsn` and `x-pgoutbox-commit-lsn` (`X/Y` text),
+    /// `x-pgoutbox-commit-time-us` (integer).
+    Full,
+    /// `delivery_mode` 2, `message_id` and the producer's own headers only; returns are
+    /// matched by `message_id`.
+    Minimal,
+}
+
 /// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a session whose Postgres connection broke keeps collecting broker confirms
@@ -332,6 +344,8 @@ pub struct RunConfig {
     pub slot_busy_timeout: Option<Duration>,
     /// What to do with returned (unroutable) messages.
     pub on_unroutable: UnroutablePolicy,
+    /// What each message carries (`--publish-properties`).
+    pub publish_properties: PublishProperties,
     /// Publish attempts for a nacked message before it is dead-lettered (at least 1).
     pub max_attempts: u32,
     /// Logical messages (the whole envelope, in bytes) larger than this are dead-lettered
@@ -349,10 +363,11 @@ pub struct RunConfig {
     /// (it ends early once nothing is unconfirmed).
     pub postgres_loss_drain: Duration,
     /// Minimum time between two reads of the replication socket when the previous read was
-    /// small (ms-scale; zero reads as soon as bytes arrive). Bytes arriving on an idle stream
-    /// are read at once; under a steady trickle of small transactions they are read at most
-    /// once per interval, so one wake-up, one publish batch and one confirm batch cover
-    /// many transactions. Reads of 64 KiB or more (a backlog, big messages) are never delayed.
+    /// small and publishes are unconfirmed (ms-scale; zero reads as soon as bytes arrive).
+    /// With nothing unconfirmed (an idle stream, a low rate) bytes are read at once; under a
+    /// steady stream of small transactions they are read at most once per interval, so one
+    /// wake-up, one publish batch and one confirm batch cover many transactions. Reads of
+    /// 64 KiB or more (a backlog, big messages) are never delayed.
     pub read_coalesce: Duration,
     /// Identifies this process in `application_name` and the RabbitMQ connection name.
     pub instance_id: String,
@@ -378,6 +393,7 @@ impl std::fmt::Debug for RunConfig {
             .field("postgres_loss_drain", &self.postgres_loss_drain)
             .field("read_coalesce", &self.read_coalesce)
             .field("on_unroutable", &self.on_unroutable)
+            .field("publish_properties", &self.publish_properties)
             .field("max_attempts", &self.max_attempts)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("broker_max_message_bytes", &self.broker_max_message_bytes)
@@ -612,6 +628,7 @@ mod tests {
             max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             slot_busy_timeout: None,
             on_unroutable: UnroutablePolicy::DeadLetter,
+            publish_properties: PublishProperties::Full,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             broker_max_message_bytes: None,

@@ -16,7 +16,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use serde::Deserialize;
 
-use crate::cli::{Cli, Command, OnUnroutable, RunArgs};
+use crate::cli::{Cli, Command, OnUnroutable, PublishPropertiesArg, RunArgs};
 
 /// The keys a config file may hold, each an optional value of its flag's type.
 #[derive(Debug, Default, Deserialize)]
@@ -44,6 +44,8 @@ pub struct FileSettings {
     pub instance_id: Option<String>,
     /// `--on-unroutable` (`dead-letter` or `block`).
     pub on_unroutable: Option<OnUnroutable>,
+    /// `--publish-properties` (`full` or `minimal`).
+    pub publish_properties: Option<PublishPropertiesArg>,
     /// `--max-attempts`.
     pub max_attempts: Option<u32>,
     /// `--max-message-bytes`.
@@ -86,6 +88,7 @@ const KEYS: &[(&str, &str)] = &[
     ),
     ("instance_id", "a string"),
     ("on_unroutable", "\"dead-letter\" or \"block\""),
+    ("publish_properties", "\"full\" or \"minimal\""),
     ("max_attempts", "a whole number, 1 to 1000"),
     (
         "max_message_bytes",
@@ -305,6 +308,7 @@ fn merge(
                 read_coalesce_us => args.read_coalesce_us, same;
                 max_attempts => args.max_attempts, same;
                 on_unroutable => args.on_unroutable, same;
+                publish_properties => args.publish_properties, same;
                 stall_after_s => args.stall_after_s, same;
                 postgres_loss_drain_ms => args.postgres_loss_drain_ms, same;
             }

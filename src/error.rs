@@ -154,9 +154,11 @@ impl Error {
             ) => false,
             // The exchange exists with another type or durability (406), or the user may
             // not configure it (403): the same declare fails again.
-            Error::Publisher(crate::publisher::Error::Declare { source, .. }) => {
-                !matches!(crate::publisher::broker_reply(source), Some((403 | 406, _)))
+            Error::Publisher(crate::publisher::Error::Declare { reply_code, .. }) => {
+                !matches!(reply_code, 403 | 406)
             }
+            // The broker broke the publisher-confirm protocol: stop rather than trust it.
+            Error::Publisher(crate::publisher::Error::Protocol(_)) => false,
             _ => true,
         }
     }

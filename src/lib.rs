@@ -9,7 +9,7 @@
 //!
 //! ```text
 //!  producer tx ──pg_logical_emit_message──▶ WAL ──walsender (pgoutput)──▶ replication
-//!        ──▶ pgoutput ──▶ envelope ──▶ publisher (lapin, confirms) ──▶ RabbitMQ exchange
+//!        ──▶ pgoutput ──▶ envelope ──▶ publisher (own AMQP 0-9-1, confirms) ──▶ RabbitMQ exchange
 //!                                           │ ack (not returned)
 //!  confirmed_flush_lsn ◀── standby status update ◀── watermark ◀──┘
 //! ```

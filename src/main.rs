@@ -40,7 +40,8 @@ fn main() -> ExitCode {
     }
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
-    // itself. lapin runs its socket I/O on a thread of its own either way.
+    // itself. The publisher's socket is driven from this thread too (no I/O thread of its
+    // own); only `check` still uses lapin, for a passive exchange.declare.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -32,7 +32,8 @@ use crate::watermark::AckWatermark;
 
 /// Frames handled per loop turn before confirms and timers get another look.
 const FRAME_BATCH: usize = 2048;
-/// A read of fewer bytes than this delays the next one by `RunConfig::read_coalesce`.
+/// A read of fewer bytes than this, while publishes are unconfirmed, delays the next one by
+/// `RunConfig::read_coalesce`.
 const COALESCE_BELOW_BYTES: usize = 64 * 1024;
 /// Retry delay bounds for a nacked message (doubling from the minimum).
 const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
@@ -169,7 +170,8 @@ impl Core {
     /// 2. the drain deadline;
     /// 3. the status update deadline, which also checks the broker connection (never starved
     ///    by confirms or WAL);
-    /// 4. broker confirm outcomes (a batch per turn);
+    /// 4. the broker connection: buffered publishes written, confirm outcomes read (a batch
+    ///    per turn);
     /// 5. committed dead letters;
     /// 6. retries that are due;
     /// 7. new WAL from the socket, only while the window has room;
@@ -241,10 +243,19 @@ impl Core {
                     }
                     self.warn_if_stalled(room);
                 }
-                // PRIORITY 4: broker confirms. Cancel safety: mpsc recv is cancel safe.
+                // PRIORITY 4: the broker connection: writes what publish() encoded, reads
+                // confirms and returns. Cancel safety: Publisher::recv_outcomes is cancel safe.
                 batch = publisher.recv_outcomes() => {
-                    let batch = batch.ok_or(crate::publisher::Error::Closed)?;
-                    self.apply_outcomes(batch, publisher).await?;
+                    match batch {
+                        Ok(batch) => self.apply_outcomes(batch, publisher).await?,
+                        Err(e) => {
+                            let _ = self.send_status(StatusUpdateKind::Periodic).await;
+                            return Err(match e {
+                                crate::publisher::Error::Lost(reason) => Error::BrokerLost(reason),
+                                e => e.into(),
+                            });
+                        }
+                    }
                 }
                 // PRIORITY 5: committed dead letters. Cancel safety: mpsc recv is cancel safe.
                 written = self.dead_letters.next_written(), if writing => {
@@ -259,11 +270,14 @@ impl Core {
                     match read {
                         Ok(n) => {
                             buffered = true;
-                            // A small read means the stream is trickling: take the next
-                            // one a little later, in one piece. Large reads (a backlog, big
-                            // messages) are never delayed: a delay per read would cap the
-                            // stream at about one socket buffer per interval.
-                            if n < COALESCE_BELOW_BYTES {
+                            // A small read while publishes are unconfirmed means a steady
+                            // trickle: take the next read a little later, in one piece (the
+                            // confirms take about that long anyway). With nothing in flight
+                            // (a low rate) the next message is read and published at once.
+                            // Large reads (a backlog, big messages) are never delayed: a
+                            // delay per read would cap the stream at about one socket
+                            // buffer per interval.
+                            if n < COALESCE_BELOW_BYTES && self.wm.unconfirmed() > 0 {
                                 self.next_read_at = Instant::now() + self.config.read_coalesce;
                             }
                         }
@@ -336,10 +350,21 @@ impl Core {
             Some(env) => env,
             None => m.envelope().map_err(|e| Error::Stream(e.to_string()))?,
         };
-        let message = m.to_outbound(seq, env).map_err(Error::Stream)?;
-        publisher.publish(message)?;
-        self.summary.published += 1;
-        Ok(())
+        let message = m
+            .to_outbound(seq, env, self.config.publish_properties)
+            .map_err(Error::Stream)?;
+        match publisher.publish(message) {
+            Ok(()) => {
+                self.summary.published += 1;
+                Ok(())
+            }
+            // Its content header does not fit one frame of this broker: it never will.
+            Err(crate::publisher::Error::Unsendable(error)) => {
+                self.dead_letter_in_flight(seq, "too_large", error)
+            }
+            Err(crate::publisher::Error::Lost(reason)) => Err(Error::BrokerLost(reason)),
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn publish_due_retries(&mut self, publisher: &mut Publisher<Seq>) -> Result<(), Error> {

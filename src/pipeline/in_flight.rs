@@ -11,18 +11,19 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol::types::ShortString;
 use bytes::Bytes;
-use lapin::types::ShortString;
-use lapin::BasicProperties;
 use tokio::time::Instant;
 
 use super::{HEADER_COMMIT_LSN, HEADER_COMMIT_TIME_US, HEADER_LSN};
+use crate::config::PublishProperties;
 use crate::envelope::{self, Envelope};
 use crate::lsn::Lsn;
 use crate::publisher::message::{
     headers_from_json, insert_i64, insert_text, DELIVERY_MODE_PERSISTENT,
 };
-use crate::publisher::OutboundMessage;
+use crate::publisher::{MatchKey, OutboundMessage};
 use crate::watermark::TxnSeq;
 
 /// Identifies one in-flight message within a session (also the publisher's tag).
@@ -53,33 +54,57 @@ impl InFlight {
         self.content.len() as u64
     }
 
-    /// The AMQP message for this record: routing key = topic, body = payload, properties
-    /// (message id, content type, persistent, timestamp in seconds) and headers (the
-    /// producer's, then ours: message LSN, commit LSN as `X/Y` text, commit time in µs).
+    /// The AMQP message for this record: routing key = topic, body = payload.
+    ///
+    /// With [`PublishProperties::Full`]: message id, content type, persistent, timestamp in
+    /// seconds, and headers (the producer's, then ours: message LSN, commit LSN as `X/Y`
+    /// text, commit time in µs); returns are matched by the message LSN. With
+    /// [`PublishProperties::Minimal`]: persistent, message id and the producer's headers
+    /// only (none when it set none); returns are matched by the message id.
     ///
     /// # Errors
     /// A text naming what does not fit AMQP (a topic, message id or content type over 255
     /// bytes).
-    pub fn to_outbound(&self, seq: Seq, env: Envelope) -> Result<OutboundMessage<Seq>, String> {
+    pub fn to_outbound(
+        &self,
+        seq: Seq,
+        env: Envelope,
+        shape: PublishProperties,
+    ) -> Result<OutboundMessage<Seq>, String> {
         let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
         let message_id = ShortString::try_new(env.message_id).map_err(|e| e.to_string())?;
-        let content_type = ShortString::try_new(env.content_type).map_err(|e| e.to_string())?;
-        let mut headers = headers_from_json(&env.headers);
-        insert_text(&mut headers, HEADER_LSN, self.lsn.to_string());
-        insert_text(&mut headers, HEADER_COMMIT_LSN, self.commit_lsn.to_string());
-        insert_i64(&mut headers, HEADER_COMMIT_TIME_US, self.commit_time_us);
-        let properties = BasicProperties::default()
-            .with_message_id(message_id)
-            .with_content_type(content_type)
-            .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
-            .with_timestamp(u64::try_from(self.commit_time_us / 1_000_000).unwrap_or(0))
-            .with_headers(headers);
+        let (properties, match_key) = match shape {
+            PublishProperties::Full => {
+                let content_type =
+                    ShortString::try_new(env.content_type).map_err(|e| e.to_string())?;
+                let mut headers = headers_from_json(&env.headers);
+                insert_text(&mut headers, HEADER_LSN, self.lsn.to_string());
+                insert_text(&mut headers, HEADER_COMMIT_LSN, self.commit_lsn.to_string());
+                insert_i64(&mut headers, HEADER_COMMIT_TIME_US, self.commit_time_us);
+                let properties = BasicProperties::default()
+                    .with_message_id(message_id)
+                    .with_content_type(content_type)
+                    .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
+                    .with_timestamp(u64::try_from(self.commit_time_us / 1_000_000).unwrap_or(0))
+                    .with_headers(headers);
+                (properties, MatchKey::Lsn(self.lsn))
+            }
+            PublishProperties::Minimal => {
+                let mut properties = BasicProperties::default()
+                    .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
+                    .with_message_id(message_id.clone());
+                if !env.headers.is_empty() {
+                    properties = properties.with_headers(headers_from_json(&env.headers));
+                }
+                (properties, MatchKey::MessageId(message_id))
+            }
+        };
         Ok(OutboundMessage {
             tag: seq,
             routing_key,
             body: env.payload,
             properties,
-            match_key: self.lsn.to_string(),
+            match_key,
         })
     }
 

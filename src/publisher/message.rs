@@ -1,9 +1,11 @@
 //! One message ready for `basic.publish`, and the mapping of JSON producer headers to an
 //! AMQP field table.
 
+use amq_protocol::protocol::BasicProperties;
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use bytes::Bytes;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::BasicProperties;
+
+use crate::lsn::Lsn;
 
 /// AMQP 0-9-1 delivery mode 2: persistent (the broker writes the message to disk).
 pub const DELIVERY_MODE_PERSISTENT: u8 = 2;
@@ -19,9 +21,21 @@ pub struct OutboundMessage<T> {
     pub body: Bytes,
     /// Properties (message_id, content_type, delivery mode, timestamp, headers).
     pub properties: BasicProperties,
-    /// A key unique among in-flight publishes, also carried in the
-    /// [`super::MATCH_KEY_HEADER`] header, used to match `basic.return`s to publishes.
-    pub match_key: String,
+    /// What a `basic.return` of this message will carry to identify it.
+    pub match_key: MatchKey,
+}
+
+/// How a `basic.return` is matched to the publish it returns (AMQP 0-9-1 gives it no
+/// delivery tag).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MatchKey {
+    /// The message LSN, also carried as `X/Y` text in the [`super::MATCH_KEY_HEADER`]
+    /// header: unique among unconfirmed publishes.
+    Lsn(Lsn),
+    /// The `message_id` property, for messages sent without our headers
+    /// (`--publish-properties minimal`): producers may reuse an id, so a return marks every
+    /// unconfirmed publish with that id.
+    MessageId(ShortString),
 }
 
 /// Converts a producer's JSON header object into an AMQP field table.

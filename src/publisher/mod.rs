@@ -1,45 +1,67 @@
-//! RabbitMQ publishing with publisher confirms (lapin), and nothing of Postgres.
+//! RabbitMQ publishing with publisher confirms, on our own AMQP 0-9-1 connection, and
+//! nothing of Postgres.
 //!
-//! Two tasks per connection:
-//! - the **publish task** takes queued [`OutboundMessage`]s in batches and first-polls their
-//!   `basic_publish` futures in queue order (lapin assigns the delivery tag and pushes the
-//!   frames on a future's first poll, so first-poll order is wire order), many at once so
-//!   the cross-thread hand-off to lapin's I/O thread is amortised;
-//! - the **confirm task** awaits the resulting `PublisherConfirm`s in delivery-tag order and
-//!   hands batches of `(tag, PublishOutcome)` to the pipeline.
+//! ```text
+//!  publish() ──encode──▶ write buffer ──one write──▶ socket ──▶ RabbitMQ
+//!                                                                 │
+//!  recv_outcomes() ◀── Confirms (settle in wire order) ◀── frames ◀┘
+//!                      basic.return / basic.ack / basic.nack
+//! ```
 //!
-//! Returns (`basic.return`) are matched by a per-publish key (see [`OutboundMessage::match_key`]),
-//! because lapin attaches a return to whichever confirm its ack loop resolves first. Before
-//! classifying a batch the confirm task takes lapin's acknowledgement lock once (the first poll
-//! of `wait_for_confirms` does exactly that), so every confirm resolved by the same
-//! `basic.ack` frame, including the one carrying the return, is already visible.
-//! Source: AMQP 0-9-1 `basic.publish` (mandatory), `basic.return`, `basic.ack`/`basic.nack`
-//! with `multiple`; RabbitMQ "Publisher Confirms".
+//! There is no task and no thread here: [`Publisher::publish`] encodes a message into the
+//! write buffer, and all I/O (writing that buffer, reading and handling frames, heartbeats)
+//! happens while the pipeline polls [`Publisher::recv_outcomes`], on the pipeline's own
+//! thread. Frames are laid out with `amq-protocol`, lapin's codec ([`wire`]); the handshake
+//! is [`connection`]; settling is the plain state machine [`confirms::Confirms`]: delivery
+//! tags are counted by us from 1 after `confirm.select`, a `basic.return` marks the publish
+//! carrying its key, and the `basic.ack` that later covers it settles it as returned.
+//!
+//! Source: AMQP 0-9-1 specification (sections 2.2.4, 4.2), `basic.publish` (mandatory),
+//! `basic.return`, `basic.ack`/`basic.nack` with `multiple`, `connection.blocked`; RabbitMQ
+//! "Consumer Acknowledgements and Publisher Confirms" and "Blocked Connection
+//! Notifications".
 
+pub mod confirms;
+pub mod connection;
 pub mod message;
 pub mod outcome;
+pub mod wire;
 
-use std::collections::{HashSet, VecDeque};
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use futures::FutureExt;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use lapin::{Confirmation, PublisherConfirm};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use amq_protocol::frame::AMQPFrame;
+use amq_protocol::protocol::{basic, channel, connection as conn, AMQPClass, BasicProperties};
+use amq_protocol::types::{AMQPValue, ShortString};
+use amq_protocol::uri::{AMQPScheme, AMQPUri};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
 
-pub use message::OutboundMessage;
+use crate::lsn::Lsn;
+use confirms::{Confirms, ReturnedKey, Violation};
+pub use connection::{CHANNEL, DEFAULT_HEARTBEAT_S};
+pub use message::{MatchKey, OutboundMessage};
 pub use outcome::PublishOutcome;
 
 /// The header that carries each publish's match key (the message LSN, `X/Y`).
 pub const MATCH_KEY_HEADER: &str = "x-pgoutbox-lsn";
 
-/// How many queued messages the publish task first-polls together.
-const PUBLISH_BATCH: usize = 128;
+/// How long connecting, logging in, opening the channel and declaring the exchange may
+/// take: a host that accepts TCP and never answers is reported after this, as a retryable
+/// timeout.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reads handled per poll before other branches of the pipeline's loop get a turn.
+const READS_PER_POLL: usize = 32;
+/// The read buffer's size when frames are small (acks are 21 bytes each).
+const READ_BUFFER: usize = 64 * 1024;
+/// A write buffer that grew past this (a window of large messages) is released once empty.
+const KEEP_WRITE_CAPACITY: usize = 4 * 1024 * 1024;
 
 /// An error of the publisher layer.
 #[derive(Debug, thiserror::Error)]
@@ -47,14 +69,14 @@ pub enum Error {
     /// The AMQP URL is not usable.
     #[error("invalid AMQP URL: {0}")]
     Url(String),
-    /// Connecting or opening the channel failed.
-    #[error("RabbitMQ: {context}")]
+    /// Connecting failed: TCP, the handshake, or a close the broker sent during it.
+    /// Retryable.
+    #[error("RabbitMQ at {url}: {context}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running")]
     Connect {
-        /// What we were doing, with the redacted URL and the fix.
+        /// The redacted URL.
+        url: String,
+        /// What failed.
         context: String,
-        /// lapin's error.
-        #[source]
-        source: lapin::Error,
     },
     /// The broker refused the login (403 `ACCESS_REFUSED`: wrong user or password) or the
     /// vhost (530 `NOT_ALLOWED`: missing vhost, or no permission on it). Definite: retrying
@@ -69,9 +91,6 @@ pub enum Error {
         reply_text: String,
         /// What to change.
         fix: String,
-        /// lapin's error.
-        #[source]
-        source: Box<lapin::Error>,
     },
     /// The AMQP handshake did not finish in time (the host accepted TCP and never answered,
     /// or nobody answered). Retryable.
@@ -82,49 +101,86 @@ pub enum Error {
         /// The timeout, in seconds.
         timeout_s: u64,
     },
-    /// Declaring the exchange failed (for example 406 PRECONDITION_FAILED when it exists
-    /// with another type or durability).
-    #[error("could not declare exchange {exchange:?} (durable topic); if it exists with another type or durability, delete it or pick another --exchange")]
+    /// The broker refused `exchange.declare`: 406 PRECONDITION_FAILED when the exchange
+    /// exists with another type or durability, 403 ACCESS_REFUSED when the user may not
+    /// configure it.
+    #[error("could not declare exchange {exchange:?} (durable topic): RabbitMQ answered {reply_code} {reply_text}; {}", declare_fix(*.reply_code))]
     Declare {
         /// The exchange name.
         exchange: String,
-        /// lapin's error.
-        #[source]
-        source: lapin::Error,
+        /// The broker's reply code.
+        reply_code: u16,
+        /// The broker's reply text.
+        reply_text: String,
     },
-    /// The publisher tasks are gone (connection closed).
-    #[error("the publisher stopped: the RabbitMQ connection or channel is closed")]
-    Closed,
+    /// The connection failed and every publish unsettled then was already reported as
+    /// [`PublishOutcome::Failed`]. Retryable.
+    #[error("the RabbitMQ connection was lost: {0}")]
+    Lost(String),
+    /// The broker broke the settling rule (a `basic.return` without our key or matching no
+    /// unconfirmed publish, an ack of an unknown delivery tag): nothing more was settled on
+    /// the connection, including outcomes not yet handed out. Definite.
+    #[error("RabbitMQ broke the publisher-confirm protocol: {0}; nothing after it was acknowledged. Report this with the broker's version")]
+    Protocol(String),
+    /// This message cannot be sent on this connection (its content header exceeds the
+    /// negotiated `frame_max`); nothing was written for it.
+    #[error("{0}")]
+    Unsendable(String),
+}
+
+fn declare_fix(reply_code: u16) -> &'static str {
+    match reply_code {
+        403 => "grant the user configure permission on it (rabbitmqctl set_permissions), or declare it beforehand and grant write",
+        _ => "if it exists with another type or durability, delete it or pick another --exchange",
+    }
+}
+
+impl Error {
+    /// The error for a `connection.close` received while connecting: 403 and 530 are
+    /// [`Error::Refused`] with the fix, anything else [`Error::Connect`].
+    pub fn refused_or_closed(url: &str, reply_code: u16, reply_text: &str) -> Error {
+        let fix = match reply_code {
+            403 => "check the user and password in --amqp-url (PGOUTBOX_AMQP_URL); `rabbitmqctl list_users` shows the users, `rabbitmqctl change_password USER PASSWORD` sets one".to_owned(),
+            530 => {
+                let vhost = url::Url::parse(url)
+                    .ok()
+                    .and_then(|u| u.path().strip_prefix('/').map(str::to_owned))
+                    .filter(|p| !p.is_empty())
+                    .map(|p| percent_decode(&p))
+                    .unwrap_or_else(|| "/".into());
+                format!(
+                    "the vhost {vhost:?} is missing or the user may not use it: create it with `rabbitmqctl add_vhost {vhost}` and grant the user with `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /) in --amqp-url (PGOUTBOX_AMQP_URL)"
+                )
+            }
+            _ => {
+                return Error::Connect {
+                    url: url.to_owned(),
+                    context: format!(
+                        "the broker closed the connection with {reply_code} {reply_text}"
+                    ),
+                }
+            }
+        };
+        Error::Refused {
+            url: url.to_owned(),
+            reply_code,
+            reply_text: reply_text.to_owned(),
+            fix,
+        }
+    }
 }
 
 /// Settings of one publisher connection.
 #[derive(Clone)]
 pub struct PublisherConfig {
-    /// `amqp://user:pass@host:port/vhost` (no TLS yet).
+    /// `amqp://user:pass@host:port/vhost[?heartbeat=S&frame_max=BYTES]` (no TLS yet).
     pub amqp_url: String,
     /// The durable topic exchange to publish to (declared if absent).
     pub exchange: String,
     /// Shown in RabbitMQ's connection list.
     pub connection_name: String,
-    /// Flags the connection's event watcher keeps up to date.
+    /// Flags other tasks read (metrics, readiness).
     pub signals: BrokerSignals,
-}
-
-/// What the connection's event watcher reports, as flags other tasks read.
-///
-/// `blocked` is true while RabbitMQ blocks the connection (`connection.blocked`, sent when a
-/// memory or disk alarm is raised and the connection publishes; each start and end is
-/// logged); `lost` turns true when the connection or the channel fails (the pipeline
-/// notices the same at its next status tick and reconnects). lapin stops sending frames
-/// while blocked, so publishes wait and confirms stop; nothing here changes that. lapin
-/// hands each connection event to one listener only, so this is the connection's single
-/// event watcher.
-#[derive(Debug, Clone, Default)]
-pub struct BrokerSignals {
-    /// True while the broker blocks the connection.
-    pub blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// True once the connection or the channel failed.
-    pub lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for PublisherConfig {
@@ -137,233 +193,575 @@ impl std::fmt::Debug for PublisherConfig {
     }
 }
 
-/// A connected publisher: queue messages with [`Publisher::publish`], read outcomes with
-/// [`Publisher::recv_outcomes`]. `T` is the caller's tag, handed back with each outcome.
+/// What the connection reports, as flags other tasks read.
+///
+/// `blocked` is true while RabbitMQ blocks the connection (`connection.blocked`, sent when a
+/// memory or disk alarm is raised; each start and end is logged once); `lost` turns true
+/// when the connection or the channel fails.
+#[derive(Debug, Clone, Default)]
+pub struct BrokerSignals {
+    /// True while the broker blocks the connection.
+    pub blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// True once the connection or the channel failed.
+    pub lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[derive(Debug)]
+enum State {
+    Open,
+    /// The connection or channel failed (reason); unsettled publishes were reported Failed.
+    Failed(String),
+    /// The broker broke the settling rule (reason).
+    Violated(String),
+}
+
+/// A `basic.return` whose content header or body is still to come.
+#[derive(Debug)]
+struct Returning {
+    reply_code: u16,
+    reply_text: String,
+    /// Body bytes still to skip once the header was seen.
+    body_left: Option<u64>,
+}
+
+/// A connected publisher: queue messages with [`Publisher::publish`], drive the connection
+/// and read outcomes with [`Publisher::recv_outcomes`]. `T` is the caller's tag, handed
+/// back with each outcome.
 pub struct Publisher<T> {
-    connection: Connection,
-    tx: Option<mpsc::UnboundedSender<OutboundMessage<T>>>,
-    outcomes: mpsc::UnboundedReceiver<Vec<(T, PublishOutcome)>>,
-    tasks: Vec<JoinHandle<()>>,
+    socket: TcpStream,
+    url: String,
+    exchange: String,
+    frame_max: u32,
+    heartbeat: Option<Duration>,
+    /// Encoded frames; `out[written..]` is not yet written.
+    out: Vec<u8>,
+    written: usize,
+    /// Read buffer; `inbuf[in_start..in_end]` holds bytes not yet framed.
+    inbuf: Vec<u8>,
+    in_start: usize,
+    in_end: usize,
+    confirms: Confirms<T>,
+    returning: Option<Returning>,
+    /// Outcomes settled and not yet handed out.
+    ready: Vec<(T, PublishOutcome)>,
+    state: State,
+    blocked: bool,
+    signals: BrokerSignals,
+    last_read: Instant,
+    last_write: Instant,
+    timer: Pin<Box<Sleep>>,
 }
 
 impl<T> std::fmt::Debug for Publisher<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Publisher").finish_non_exhaustive()
+        f.debug_struct("Publisher")
+            .field("url", &self.url)
+            .field("exchange", &self.exchange)
+            .field("frame_max", &self.frame_max)
+            .field("heartbeat", &self.heartbeat)
+            .field("state", &self.state)
+            .field("unsettled", &self.confirms.unsettled())
+            .finish_non_exhaustive()
     }
 }
 
-impl<T: Send + 'static> Publisher<T> {
-    /// Connects, opens one channel in confirm mode and declares the exchange (durable topic),
-    /// all within [`CONNECT_TIMEOUT`].
+impl<T> Publisher<T> {
+    /// Connects, logs in (PLAIN), opens channel 1 in confirm mode and declares the exchange
+    /// (durable topic), all within [`CONNECT_TIMEOUT`].
     ///
     /// # Errors
-    /// [`Error::Url`] for `amqps://` (TLS not supported yet); [`Error::Refused`] when the
-    /// broker refuses the login or the vhost; [`Error::ConnectTimeout`]; [`Error::Connect`];
-    /// [`Error::Declare`].
+    /// [`Error::Url`] for an unparsable URL or `amqps://` (TLS not supported yet);
+    /// [`Error::Refused`] when the broker refuses the login or the vhost;
+    /// [`Error::ConnectTimeout`]; [`Error::Connect`]; [`Error::Declare`].
     pub async fn connect(config: &PublisherConfig) -> Result<Self, Error> {
-        tokio::time::timeout(CONNECT_TIMEOUT, Self::connect_unbounded(config))
-            .await
-            .map_err(|_| Error::ConnectTimeout {
-                url: crate::config::redact_url(&config.amqp_url),
-                timeout_s: CONNECT_TIMEOUT.as_secs(),
-            })?
-    }
-
-    async fn connect_unbounded(config: &PublisherConfig) -> Result<Self, Error> {
-        if config.amqp_url.starts_with("amqps://") {
+        let url = crate::config::redact_url(&config.amqp_url);
+        let uri =
+            AMQPUri::from_str(&config.amqp_url).map_err(|e| Error::Url(format!("{url}: {e}")))?;
+        if uri.scheme == AMQPScheme::AMQPS {
             return Err(Error::Url(
                 "amqps:// asks for TLS, which is not supported yet; use amqp:// on a trusted network or a local TLS tunnel".into(),
             ));
         }
-        let props = ConnectionProperties::default()
-            .with_connection_name(config.connection_name.clone().into());
-        let connection = Connection::connect(&with_heartbeat(&config.amqp_url), props)
-            .await
-            .map_err(|source| connect_error(&config.amqp_url, source))?;
-        // The broker's reason for closing the channel (reply code and text) reaches us as a
-        // connection event; publishes made after the close only see "invalid channel state".
-        let close_reason = CloseReason::default();
-        let mut events = connection.events_listener();
-        let recorder = close_reason.clone();
-        let signals = config.signals.clone();
-        let events_task = tokio::spawn(async move {
-            use futures::StreamExt;
-            use std::sync::atomic::Ordering;
-            while let Some(event) = events.next().await {
-                match event {
-                    lapin::Event::Error(e) => {
-                        signals.lost.store(true, Ordering::Relaxed);
-                        if broker_reply(&e).is_some() {
-                            recorder.record(describe_lapin_error(&e));
-                        }
-                    }
-                    lapin::Event::ConnectionBlocked(reason) => {
-                        signals.blocked.store(true, Ordering::Relaxed);
-                        tracing::warn!(reason = %reason, "RabbitMQ blocked the connection (connection.blocked: memory or disk alarm); publishes wait until it clears, nothing unconfirmed is acknowledged");
-                    }
-                    lapin::Event::ConnectionUnblocked => {
-                        signals.blocked.store(false, Ordering::Relaxed);
-                        tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
-                    }
-                    _ => {}
-                }
-            }
-        });
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| Error::Connect {
-                context: "could not open a channel".into(),
-                source,
-            })?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|source| Error::Connect {
-                context: "could not enable publisher confirms".into(),
-                source,
-            })?;
-        channel
-            .exchange_declare(
-                ShortString::from(config.exchange.as_str()),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|source| Error::Declare {
-                exchange: config.exchange.clone(),
-                source,
-            })?;
-
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (confirm_tx, confirm_rx) = mpsc::unbounded_channel();
-        let (outcome_tx, outcomes) = mpsc::unbounded_channel();
-        let exchange = ShortString::from(config.exchange.as_str());
-        let publish = tokio::spawn(publish_task(channel.clone(), exchange, rx, confirm_tx));
-        let confirm = tokio::spawn(confirm_task(channel, confirm_rx, outcome_tx, close_reason));
+        let opened = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            connection::open(&uri, &url, &config.exchange, &config.connection_name),
+        )
+        .await
+        .map_err(|_| Error::ConnectTimeout {
+            url: url.clone(),
+            timeout_s: CONNECT_TIMEOUT.as_secs(),
+        })??;
+        let now = Instant::now();
+        let frame_max = opened.tuned.frame_max;
+        let mut inbuf = vec![0; READ_BUFFER.max(frame_max as usize + 1)];
+        let leftover = opened.leftover.len();
+        if leftover > inbuf.len() {
+            inbuf.resize(leftover, 0);
+        }
+        inbuf[..leftover].copy_from_slice(&opened.leftover);
+        config.signals.lost.store(false, Ordering::Relaxed);
+        config.signals.blocked.store(false, Ordering::Relaxed);
         Ok(Publisher {
-            connection,
-            tx: Some(tx),
-            outcomes,
-            tasks: vec![publish, confirm, events_task],
+            socket: opened.socket,
+            url,
+            exchange: config.exchange.clone(),
+            frame_max,
+            heartbeat: opened.tuned.heartbeat,
+            out: Vec::with_capacity(64 * 1024),
+            written: 0,
+            inbuf,
+            in_start: 0,
+            in_end: leftover,
+            confirms: Confirms::default(),
+            returning: None,
+            ready: Vec::new(),
+            state: State::Open,
+            blocked: false,
+            signals: config.signals.clone(),
+            last_read: now,
+            last_write: now,
+            timer: Box::pin(tokio::time::sleep_until(now)),
         })
     }
 
-    /// Queues one message; it is published in queue order.
+    /// Encodes `message` as `basic.publish` (mandatory) with its content header and body
+    /// frames, split at the negotiated `frame_max`, into the write buffer, and records it
+    /// under the next delivery tag. Nothing is written until [`Publisher::recv_outcomes`]
+    /// is polled, so many publishes go out in one write.
     ///
     /// # Errors
-    /// [`Error::Closed`] when the publish task is gone.
-    pub fn publish(&self, message: OutboundMessage<T>) -> Result<(), Error> {
-        self.tx
-            .as_ref()
-            .ok_or(Error::Closed)?
-            .send(message)
-            .map_err(|_| Error::Closed)
+    /// [`Error::Lost`] or [`Error::Protocol`] once the connection failed (nothing is
+    /// recorded); [`Error::Unsendable`] when the message's content header exceeds
+    /// `frame_max` (nothing is recorded or written).
+    pub fn publish(&mut self, message: OutboundMessage<T>) -> Result<(), Error> {
+        match &self.state {
+            State::Open => {}
+            State::Failed(reason) => return Err(Error::Lost(reason.clone())),
+            State::Violated(reason) => return Err(Error::Protocol(reason.clone())),
+        }
+        if self.written == self.out.len() && self.written > 0 {
+            self.out.clear();
+            self.written = 0;
+        }
+        let publish = wire::Publish {
+            channel: CHANNEL,
+            exchange: &self.exchange,
+            routing_key: message.routing_key.as_str(),
+            mandatory: true,
+            properties: &message.properties,
+            body: &message.body,
+        };
+        wire::encode_publish(&mut self.out, &publish, self.frame_max).map_err(Error::Unsendable)?;
+        self.confirms.published(message.tag, message.match_key);
+        Ok(())
     }
 
-    /// The next batch of outcomes, in publish order; `None` once everything queued before
-    /// [`Publisher::finish`] has an outcome, or the tasks are gone.
+    /// Writes what is buffered, reads and handles the broker's frames, and keeps heartbeats
+    /// going; returns the outcomes settled so far (at least one), in the order the broker
+    /// settled them.
+    ///
+    /// # Errors
+    /// When the connection or channel fails, the publishes unsettled then are first
+    /// returned as [`PublishOutcome::Failed`]; later calls return [`Error::Lost`].
+    /// [`Error::Protocol`] when the broker broke the settling rule: nothing is settled from
+    /// that point, not even outcomes read before it in the same batch.
     ///
     /// # Cancel safety
-    /// Cancel safe (`mpsc::UnboundedReceiver::recv`).
-    pub async fn recv_outcomes(&mut self) -> Option<Vec<(T, PublishOutcome)>> {
-        self.outcomes.recv().await
+    /// Cancel safe: all state lives in the publisher, and a write that completed is
+    /// accounted before the next poll.
+    pub async fn recv_outcomes(&mut self) -> Result<Vec<(T, PublishOutcome)>, Error> {
+        poll_fn(|cx| self.poll_outcomes(cx)).await
     }
 
-    /// Stops accepting messages; outcomes of those already queued keep arriving.
-    pub fn finish(&mut self) {
-        self.tx = None;
-    }
-
-    /// True while the AMQP connection is up.
+    /// True while the connection is up and has not failed.
     pub fn is_connected(&self) -> bool {
-        self.connection.status().connected()
+        matches!(self.state, State::Open)
     }
 
-    /// Closes the connection (best effort) and stops the tasks.
-    pub async fn close(self) {
-        let _ = self.connection.close(200, "pgoutbox shutdown".into()).await;
-        for task in self.tasks {
-            task.abort();
+    /// True while RabbitMQ blocks the connection (`connection.blocked` without its
+    /// `connection.unblocked`).
+    pub fn is_blocked(&self) -> bool {
+        self.blocked
+    }
+
+    /// Publishes not yet acked or nacked.
+    pub fn unsettled(&self) -> usize {
+        self.confirms.unsettled()
+    }
+
+    /// The negotiated `frame_max`, bytes.
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
+    }
+
+    /// The negotiated heartbeat interval (`None`: disabled).
+    pub fn heartbeat(&self) -> Option<Duration> {
+        self.heartbeat
+    }
+
+    /// Closes the connection (`connection.close` 200, then waits for `close-ok` or EOF).
+    /// Best effort; the caller bounds how long it may take.
+    pub async fn close(mut self) {
+        if !matches!(self.state, State::Open) {
+            return;
         }
-    }
-}
-
-/// How long connecting, opening the channel and declaring the exchange may take: a host
-/// that accepts TCP and never answers is reported after this, as a retryable timeout.
-pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// The reply code and text of an AMQP error the broker sent (`channel.close` or
-/// `connection.close`), e.g. `(404, "NOT_FOUND - no exchange 'x' in vhost '/'")`.
-pub fn broker_reply(e: &lapin::Error) -> Option<(u16, String)> {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => {
-            Some((amqp.get_id(), amqp.get_message().as_str().to_owned()))
+        let close = AMQPFrame::Method(
+            0,
+            AMQPClass::Connection(conn::AMQPMethod::Close(conn::Close {
+                reply_code: 200,
+                reply_text: ShortString::from("pgoutbox shutdown"),
+                class_id: 0,
+                method_id: 0,
+            })),
+        );
+        if wire::encode(&mut self.out, &close).is_err() {
+            return;
         }
-        _ => None,
-    }
-}
-
-/// lapin's error for the operator: an AMQP error the broker sent is shown as the broker's
-/// reply code and text (which names the cause, e.g. `404 NOT_FOUND - no exchange ...`).
-fn describe_lapin_error(e: &lapin::Error) -> String {
-    match (e.kind(), broker_reply(e)) {
-        (lapin::ErrorKind::ProtocolError(amqp), Some((code, text))) => {
-            let scope = match amqp.kind() {
-                lapin::protocol::AMQPErrorKind::Hard(_) => "connection",
-                lapin::protocol::AMQPErrorKind::Soft(_) => "channel",
-            };
-            format!("the broker closed the {scope} with {code} {text}")
+        let pending = self.out.split_off(self.written);
+        if self.socket.write_all(&pending).await.is_err() {
+            return;
         }
-        _ => e.to_string(),
-    }
-}
-
-/// Maps a failed `Connection::connect` to our error: a refused login or vhost is definite
-/// and says what to change; anything else is a retryable connect failure.
-fn connect_error(amqp_url: &str, source: lapin::Error) -> Error {
-    let url = crate::config::redact_url(amqp_url);
-    match broker_reply(&source) {
-        Some((403, reply_text)) => Error::Refused {
-            url,
-            reply_code: 403,
-            reply_text,
-            fix: "check the user and password in --amqp-url (PGOUTBOX_AMQP_URL); `rabbitmqctl list_users` shows the users, `rabbitmqctl change_password USER PASSWORD` sets one".into(),
-            source: Box::new(source),
-        },
-        Some((530, reply_text)) => {
-            let vhost = vhost_of(amqp_url);
-            Error::Refused {
-                url,
-                reply_code: 530,
-                reply_text,
-                fix: format!(
-                    "the vhost {vhost:?} is missing or the user may not use it: create it with `rabbitmqctl add_vhost {vhost}` and grant the user with `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /) in --amqp-url (PGOUTBOX_AMQP_URL)"
-                ),
-                source: Box::new(source),
+        let _ = self.socket.flush().await;
+        let mut buf = [0u8; 4096];
+        loop {
+            match tokio::io::AsyncReadExt::read(&mut self.socket, &mut buf).await {
+                Ok(0) | Err(_) => return,
+                // Whatever arrives now (late acks, close-ok) ends here: anything unsettled
+                // stays unacknowledged and is sent again by the next session.
+                Ok(_) => {}
             }
         }
-        _ => Error::Connect {
-            context: format!(
-                "could not connect to {url}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running"
-            ),
-            source,
-        },
+    }
+
+    fn poll_outcomes(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Vec<(T, PublishOutcome)>, Error>> {
+        if matches!(self.state, State::Open) {
+            self.poll_io(cx);
+        }
+        if !self.ready.is_empty() {
+            return Poll::Ready(Ok(std::mem::take(&mut self.ready)));
+        }
+        match &self.state {
+            State::Open => Poll::Pending,
+            State::Failed(reason) => Poll::Ready(Err(Error::Lost(reason.clone()))),
+            State::Violated(reason) => Poll::Ready(Err(Error::Protocol(reason.clone()))),
+        }
+    }
+
+    /// Writes, reads and handles frames until the socket would block both ways (wakers
+    /// registered) or outcomes are ready; keeps the heartbeat timer armed.
+    fn poll_io(&mut self, cx: &mut Context<'_>) {
+        loop {
+            let queued_before = self.out.len() - self.written;
+            self.poll_write(cx);
+            if !matches!(self.state, State::Open) {
+                return;
+            }
+            let mut reads = 0;
+            loop {
+                if reads == READS_PER_POLL {
+                    // More to read: come back after the pipeline's other branches.
+                    cx.waker().wake_by_ref();
+                    break;
+                }
+                reads += 1;
+                match self.poll_read(cx) {
+                    Poll::Ready(true) => {}
+                    Poll::Ready(false) => return,
+                    Poll::Pending => break,
+                }
+            }
+            if !matches!(self.state, State::Open) {
+                return;
+            }
+            if self.poll_timer(cx) {
+                continue;
+            }
+            // Handling frames may have queued replies (close-ok); write them now.
+            if self.out.len() - self.written > queued_before && self.written < self.out.len() {
+                continue;
+            }
+            return;
+        }
+    }
+
+    fn poll_write(&mut self, cx: &mut Context<'_>) {
+        while self.written < self.out.len() {
+            match Pin::new(&mut self.socket).poll_write(cx, &self.out[self.written..]) {
+                Poll::Ready(Ok(0)) => {
+                    self.fail("writing to RabbitMQ returned 0 bytes (socket closed)".into());
+                    return;
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.written += n;
+                    self.last_write = Instant::now();
+                }
+                Poll::Ready(Err(e)) => {
+                    self.fail(format!("writing to RabbitMQ failed: {e}"));
+                    return;
+                }
+                Poll::Pending => return,
+            }
+        }
+        self.out.clear();
+        self.written = 0;
+        if self.out.capacity() > KEEP_WRITE_CAPACITY {
+            self.out = Vec::with_capacity(64 * 1024);
+        }
+    }
+
+    /// One read: `Ready(true)` when bytes were read and handled, `Ready(false)` when the
+    /// connection failed, `Pending` when nothing is there (waker registered).
+    fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        if self.in_start == self.in_end {
+            self.in_start = 0;
+            self.in_end = 0;
+        } else if self.in_end == self.inbuf.len() {
+            self.inbuf.copy_within(self.in_start..self.in_end, 0);
+            self.in_end -= self.in_start;
+            self.in_start = 0;
+        }
+        let mut rb = ReadBuf::new(&mut self.inbuf[self.in_end..]);
+        match Pin::new(&mut self.socket).poll_read(cx, &mut rb) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Err(e)) => {
+                self.fail(format!("reading from RabbitMQ failed: {e}"));
+                Poll::Ready(false)
+            }
+            Poll::Ready(Ok(())) => {
+                let n = rb.filled().len();
+                if n == 0 {
+                    let unsettled = self.confirms.unsettled();
+                    self.fail(format!(
+                        "RabbitMQ closed the socket with {unsettled} publishes unconfirmed"
+                    ));
+                    return Poll::Ready(false);
+                }
+                self.in_end += n;
+                self.last_read = Instant::now();
+                self.handle_frames();
+                Poll::Ready(matches!(self.state, State::Open))
+            }
+        }
+    }
+
+    /// The heartbeat timer: sends a heartbeat when nothing was written for half the
+    /// interval, fails the connection when nothing was read for twice the interval
+    /// (section 4.2.7). True when a heartbeat was queued.
+    fn poll_timer(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(interval) = self.heartbeat else {
+            return false;
+        };
+        let now = Instant::now();
+        let dead_at = self.last_read + interval * 2;
+        if now >= dead_at {
+            self.fail(format!(
+                "no frame and no heartbeat from RabbitMQ for {} s (heartbeat {} s): the broker or the network is gone",
+                (now - self.last_read).as_secs(),
+                interval.as_secs()
+            ));
+            return false;
+        }
+        let send_at = self.last_write + interval / 2;
+        if now >= send_at && self.written == self.out.len() {
+            if wire::encode(&mut self.out, &AMQPFrame::Heartbeat).is_ok() {
+                self.last_write = now;
+            }
+            return true;
+        }
+        let next = if self.written == self.out.len() {
+            send_at.min(dead_at)
+        } else {
+            dead_at
+        };
+        self.timer.as_mut().reset(next);
+        if self.timer.as_mut().poll(cx).is_ready() {
+            // Due already (a clock step): look again now.
+            cx.waker().wake_by_ref();
+        }
+        false
+    }
+
+    fn handle_frames(&mut self) {
+        while matches!(self.state, State::Open) {
+            let buf = &self.inbuf[self.in_start..self.in_end];
+            let len = match wire::frame_len(buf, self.frame_max) {
+                Ok(Some(len)) => len,
+                Ok(None) => break,
+                Err(e) => {
+                    self.fail(e.to_string());
+                    break;
+                }
+            };
+            let frame = wire::decode(&buf[..len]);
+            self.in_start += len;
+            match frame {
+                Ok(frame) => self.handle_frame(frame),
+                Err(e) => self.fail(e.to_string()),
+            }
+        }
+        // A frame larger than what is left of the buffer: make room for it.
+        if self.in_start > 0 && self.in_end == self.inbuf.len() {
+            self.inbuf.copy_within(self.in_start..self.in_end, 0);
+            self.in_end -= self.in_start;
+            self.in_start = 0;
+        }
+    }
+
+    fn handle_frame(&mut self, frame: AMQPFrame) {
+        match frame {
+            AMQPFrame::Heartbeat => {}
+            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
+                let r = self
+                    .confirms
+                    .ack(ack.delivery_tag, ack.multiple, &mut self.ready);
+                if let Err(v) = r {
+                    self.violate(v);
+                }
+            }
+            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Nack(nack))) => {
+                let r = self
+                    .confirms
+                    .nack(nack.delivery_tag, nack.multiple, &mut self.ready);
+                if let Err(v) = r {
+                    self.violate(v);
+                }
+            }
+            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Return(ret))) => {
+                self.returning = Some(Returning {
+                    reply_code: ret.reply_code,
+                    reply_text: ret.reply_text.as_str().to_owned(),
+                    body_left: None,
+                });
+            }
+            AMQPFrame::Header(_, header) => {
+                let Some(returning) = self.returning.as_mut() else {
+                    self.fail(
+                        "RabbitMQ sent a content header that belongs to no basic.return".into(),
+                    );
+                    return;
+                };
+                let key = returned_key(&header.properties);
+                let key = ReturnedKey {
+                    lsn: key.0,
+                    message_id: key.1.as_deref(),
+                };
+                let (code, text) = (returning.reply_code, returning.reply_text.clone());
+                if header.body_size == 0 {
+                    self.returning = None;
+                } else {
+                    returning.body_left = Some(header.body_size);
+                }
+                match self.confirms.returned(key, code, &text) {
+                    Ok(marked) => {
+                        tracing::debug!(reply_code = code, reply_text = %text, marked, "basic.return recorded");
+                    }
+                    Err(v) => self.violate(v),
+                }
+            }
+            AMQPFrame::Body(_, part) => match self.returning.as_mut() {
+                Some(Returning {
+                    body_left: Some(left),
+                    ..
+                }) => {
+                    *left = left.saturating_sub(part.len() as u64);
+                    if *left == 0 {
+                        self.returning = None;
+                    }
+                }
+                _ => {
+                    self.fail("RabbitMQ sent a content body that belongs to no basic.return".into())
+                }
+            },
+            AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                let ok = AMQPFrame::Method(
+                    CHANNEL,
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                );
+                let _ = wire::encode(&mut self.out, &ok);
+                self.fail(format!(
+                    "the broker closed the channel with {} {}",
+                    close.reply_code,
+                    close.reply_text.as_str()
+                ));
+            }
+            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Close(close))) => {
+                let ok = AMQPFrame::Method(
+                    0,
+                    AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})),
+                );
+                let _ = wire::encode(&mut self.out, &ok);
+                self.fail(format!(
+                    "the broker closed the connection with {} {}",
+                    close.reply_code,
+                    close.reply_text.as_str()
+                ));
+            }
+            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Blocked(b))) => {
+                if !self.blocked {
+                    tracing::warn!(reason = %b.reason.as_str(), "RabbitMQ blocked the connection (connection.blocked: memory or disk alarm); publishes wait until it clears, nothing unconfirmed is acknowledged");
+                }
+                self.blocked = true;
+                self.signals.blocked.store(true, Ordering::Relaxed);
+            }
+            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Unblocked(_))) => {
+                if self.blocked {
+                    tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
+                }
+                self.blocked = false;
+                self.signals.blocked.store(false, Ordering::Relaxed);
+            }
+            other => {
+                tracing::debug!(frame = %other, "ignoring a frame the publisher does not use");
+            }
+        }
+    }
+
+    /// The connection or channel failed: report every unsettled publish as failed.
+    fn fail(&mut self, reason: String) {
+        if !matches!(self.state, State::Open) {
+            return;
+        }
+        self.confirms.fail_all(&reason, &mut self.ready);
+        self.signals.lost.store(true, Ordering::Relaxed);
+        self.state = State::Failed(reason);
+    }
+
+    /// The broker broke the settling rule: settle nothing more, hand out nothing more.
+    fn violate(&mut self, violation: Violation) {
+        if !matches!(self.state, State::Open) {
+            return;
+        }
+        tracing::error!(error = %violation, unsettled = self.confirms.unsettled(), "RabbitMQ broke the publisher-confirm protocol; acknowledging nothing more on this connection");
+        self.ready.clear();
+        self.signals.lost.store(true, Ordering::Relaxed);
+        self.state = State::Violated(violation.to_string());
     }
 }
 
-/// The vhost an AMQP URL names (its percent-decoded path; `/` when empty).
-fn vhost_of(amqp_url: &str) -> String {
-    let path = url::Url::parse(amqp_url)
-        .map(|u| u.path().trim_start_matches('/').to_owned())
-        .unwrap_or_default();
-    if path.is_empty() {
-        return "/".into();
-    }
+/// The keys a returned message carries: our LSN header, parsed, and its message id.
+fn returned_key(properties: &BasicProperties) -> (Option<Lsn>, Option<String>) {
+    let lsn = properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(MATCH_KEY_HEADER))
+        .and_then(|v| match v {
+            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
+            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+            _ => None,
+        })
+        .and_then(|s| Lsn::from_str(&s).ok());
+    let message_id = properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_owned());
+    (lsn, message_id)
+}
+
+/// Percent-decodes a URL path segment (`%2f` → `/`); invalid escapes stay as they are.
+fn percent_decode(path: &str) -> String {
     let bytes = path.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -386,338 +784,35 @@ fn vhost_of(amqp_url: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The last AMQP error the broker closed the channel or connection with, as text.
-#[derive(Clone, Default)]
-struct CloseReason(std::sync::Arc<std::sync::Mutex<Option<String>>>);
-
-impl CloseReason {
-    fn record(&self, text: String) {
-        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        guard.get_or_insert(text);
-    }
-
-    /// `error`, with the broker's close reason when lapin only says the channel is closed.
-    fn explain(&self, error: String) -> String {
-        if !error.contains("invalid channel state") && !error.contains("invalid connection state") {
-            return error;
-        }
-        match self.0.lock().unwrap_or_else(|e| e.into_inner()).as_deref() {
-            Some(reason) => reason.to_owned(),
-            None => error,
-        }
-    }
-}
-
-/// AMQP heartbeat (seconds) asked for when the URL names none: a dead broker or a black-holed
-/// connection is noticed within about twice this.
-pub const DEFAULT_HEARTBEAT_S: u16 = 10;
-
-/// Adds `heartbeat=DEFAULT_HEARTBEAT_S` to an AMQP URL that sets none.
-fn with_heartbeat(url: &str) -> String {
-    if url.contains("heartbeat=") {
-        url.to_owned()
-    } else if url.contains('?') {
-        format!("{url}&heartbeat={DEFAULT_HEARTBEAT_S}")
-    } else {
-        format!("{url}?heartbeat={DEFAULT_HEARTBEAT_S}")
-    }
-}
-
-/// Polls a batch of futures, first-polling them in index order, until all are ready.
-struct InOrder<F: Future + Unpin> {
-    futures: Vec<Option<F>>,
-    outputs: Vec<Option<F::Output>>,
-}
-
-impl<F: Future + Unpin> Future for InOrder<F>
-where
-    F::Output: Unpin,
-{
-    type Output = Vec<F::Output>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let mut pending = false;
-        for (slot, out) in this.futures.iter_mut().zip(this.outputs.iter_mut()) {
-            if let Some(fut) = slot {
-                match Pin::new(fut).poll(cx) {
-                    Poll::Ready(v) => {
-                        *out = Some(v);
-                        *slot = None;
-                    }
-                    Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(this.outputs.iter_mut().filter_map(Option::take).collect())
-        }
-    }
-}
-
-struct Pending<T> {
-    tag: T,
-    match_key: String,
-    confirm: Option<PublisherConfirm>,
-    failure: Option<String>,
-    /// The confirm's result once seen (or the publish failure).
-    result: Option<Result<Confirmation, String>>,
-    /// Whether a return carried by `result` has been recorded.
-    return_recorded: bool,
-}
-
-impl<T> Pending<T> {
-    /// Polls the confirm once, without waiting; true when the result is known.
-    fn poll_ready(&mut self) -> bool {
-        if self.result.is_some() {
-            return true;
-        }
-        self.result = match &mut self.confirm {
-            Some(c) => c
-                .now_or_never()
-                .map(|r| r.map_err(|e| describe_lapin_error(&e))),
-            None => Some(Err(self
-                .failure
-                .clone()
-                .unwrap_or_else(|| "no confirm".into()))),
-        };
-        self.result.is_some()
-    }
-}
-
-async fn publish_task<T: Send + 'static>(
-    channel: Channel,
-    exchange: ShortString,
-    mut rx: mpsc::UnboundedReceiver<OutboundMessage<T>>,
-    confirm_tx: mpsc::UnboundedSender<Pending<T>>,
-) {
-    let mut batch = Vec::with_capacity(PUBLISH_BATCH);
-    let options = BasicPublishOptions {
-        mandatory: true,
-        ..BasicPublishOptions::default()
-    };
-    while rx.recv_many(&mut batch, PUBLISH_BATCH).await > 0 {
-        let mut keys = Vec::with_capacity(batch.len());
-        let mut futures = Vec::with_capacity(batch.len());
-        for m in batch.drain(..) {
-            let OutboundMessage {
-                tag,
-                routing_key,
-                body,
-                properties,
-                match_key,
-            } = m;
-            keys.push((tag, match_key));
-            let channel = channel.clone();
-            let exchange = exchange.clone();
-            futures.push(Some(Box::pin(async move {
-                channel
-                    .basic_publish(exchange, routing_key, options, &body, properties)
-                    .await
-            })));
-        }
-        let outputs: Vec<Option<_>> = futures.iter().map(|_| None).collect();
-        let results = InOrder { futures, outputs }.await;
-        for ((tag, match_key), result) in keys.into_iter().zip(results) {
-            let pending = match result {
-                Ok(confirm) => Pending {
-                    tag,
-                    match_key,
-                    confirm: Some(confirm),
-                    failure: None,
-                    result: None,
-                    return_recorded: false,
-                },
-                Err(e) => Pending {
-                    tag,
-                    match_key,
-                    confirm: None,
-                    failure: Some(describe_lapin_error(&e)),
-                    result: None,
-                    return_recorded: false,
-                },
-            };
-            if confirm_tx.send(pending).is_err() {
-                return;
-            }
-        }
-    }
-}
-
-fn returned_key(ret: &lapin::message::BasicReturnMessage) -> Option<String> {
-    let headers = ret.delivery.properties.headers().as_ref()?;
-    match headers.inner().get(MATCH_KEY_HEADER)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
-}
-
-async fn confirm_task<T: Send + 'static>(
-    channel: Channel,
-    mut rx: mpsc::UnboundedReceiver<Pending<T>>,
-    outcome_tx: mpsc::UnboundedSender<Vec<(T, PublishOutcome)>>,
-    close_reason: CloseReason,
-) {
-    let mut queue: VecDeque<Pending<T>> = VecDeque::new();
-    // Match keys of returned messages whose own confirm has not been classified yet.
-    let mut returned: HashSet<String> = HashSet::new();
-    let mut reasons: std::collections::HashMap<String, (u16, String)> = Default::default();
-    let mut input_open = true;
-    loop {
-        if queue.is_empty() {
-            if !input_open {
-                return;
-            }
-            match rx.recv().await {
-                Some(p) => queue.push_back(p),
-                None => return,
-            }
-        }
-        // Wait for the front confirm, taking new pendings meanwhile.
-        let front_ready = match queue.front_mut() {
-            None => false,
-            Some(front) => match front.confirm.as_mut() {
-                Some(confirm) if front.result.is_none() => {
-                    let mut incoming = None;
-                    let ready = tokio::select! {
-                        biased;
-                        r = confirm => {
-                            front.result = Some(r.map_err(|e| describe_lapin_error(&e)));
-                            true
-                        }
-                        p = rx.recv(), if input_open => {
-                            match p {
-                                Some(p) => incoming = Some(p),
-                                None => input_open = false,
-                            }
-                            false
-                        }
-                    };
-                    if let Some(p) = incoming {
-                        queue.push_back(p);
-                    }
-                    ready
-                }
-                _ => front.poll_ready(),
-            },
-        };
-        if !front_ready {
-            continue;
-        }
-        // The ready prefix as seen *before* the barrier: only these are classified now.
-        let mut ready = 1;
-        while ready < queue.len() && queue[ready].poll_ready() {
-            ready += 1;
-        }
-        // Barrier: the first poll of wait_for_confirms takes lapin's acknowledgement lock, so
-        // every ack loop that resolved one of those `ready` confirms has finished resolving
-        // its whole range, including the confirm that carries the range's return, which lapin
-        // hands to whichever confirm of the range it resolves first (hash order), possibly
-        // one past `ready`. Look further, to the first unresolved confirm, for such carriers.
-        let _ = channel.wait_for_confirms().now_or_never();
-        let mut seen = ready;
-        while seen < queue.len() && queue[seen].poll_ready() {
-            seen += 1;
-        }
-        for p in queue.iter_mut().take(seen) {
-            if p.return_recorded {
-                continue;
-            }
-            p.return_recorded = true;
-            if let Some(Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)))) =
-                &p.result
-            {
-                if let Some(key) = returned_key(ret) {
-                    reasons.insert(
-                        key.clone(),
-                        (ret.reply_code, ret.reply_text.as_str().to_owned()),
-                    );
-                    returned.insert(key);
-                }
-            }
-        }
-        // Confirms resolved after the barrier (seen but not ready) may belong to a range
-        // still being resolved; they are classified in a later round, after its barrier.
-        let results: Vec<(Pending<T>, Result<Confirmation, String>)> = queue
-            .drain(..ready)
-            .map(|mut p| {
-                let r = p.result.take().unwrap_or_else(|| Err("no confirm".into()));
-                (p, r)
-            })
-            .collect();
-        let batch: Vec<(T, PublishOutcome)> = results
-            .into_iter()
-            .map(|(p, r)| {
-                let outcome = match r {
-                    Err(error) => PublishOutcome::Failed {
-                        error: close_reason.explain(error),
-                    },
-                    Ok(Confirmation::Nack(_)) => PublishOutcome::Nacked,
-                    Ok(Confirmation::NotRequested) => PublishOutcome::Failed {
-                        error: "publisher confirms were not enabled".into(),
-                    },
-                    Ok(Confirmation::Ack(_)) => {
-                        if returned.remove(&p.match_key) {
-                            let (reply_code, reply_text) = reasons
-                                .remove(&p.match_key)
-                                .unwrap_or((312, "NO_ROUTE".into()));
-                            PublishOutcome::Returned {
-                                reply_code,
-                                reply_text,
-                            }
-                        } else {
-                            PublishOutcome::Routed
-                        }
-                    }
-                };
-                (p.tag, outcome)
-            })
-            .collect();
-        if outcome_tx.send(batch).is_err() {
-            return;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn vhost_is_the_percent_decoded_path() {
-        assert_eq!(vhost_of("amqp://u:p@h:5672/%2f"), "/");
-        assert_eq!(vhost_of("amqp://u:p@h:5672/"), "/");
-        assert_eq!(vhost_of("amqp://u:p@h:5672"), "/");
-        assert_eq!(vhost_of("amqp://u:p@h/orders%2Feu"), "orders/eu");
-        assert_eq!(vhost_of("amqp://u:p@h/a+b%"), "a+b%");
-    }
-
-    #[test]
-    fn broker_errors_show_the_reply_code_and_text() {
-        let amqp = lapin::protocol::AMQPError::from_id(
-            404,
-            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
-        )
-        .expect("known code");
-        let e = lapin::Error::from(lapin::ErrorKind::ProtocolError(amqp));
-        assert_eq!(
-            describe_lapin_error(&e),
-            "the broker closed the channel with 404 NOT_FOUND - no exchange 'x' in vhost '/'"
+    fn a_refused_vhost_names_the_percent_decoded_vhost() {
+        let e = Error::refused_or_closed(
+            "amqp://u:***@h:5672/orders%2Feu",
+            530,
+            "NOT_ALLOWED - vhost orders/eu not found",
         );
-        let reason = CloseReason::default();
-        reason.record(describe_lapin_error(&e));
-        let closed = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
-            lapin::ChannelState::Closed,
-            "basic.publish",
+        let text = e.to_string();
+        assert!(text.contains("\"orders/eu\""), "{text}");
+        assert!(text.contains("rabbitmqctl add_vhost orders/eu"), "{text}");
+        let e = Error::refused_or_closed("amqp://u:***@h:5672/%2f", 530, "NOT_ALLOWED");
+        assert!(e.to_string().contains("\"/\""));
+        let e = Error::refused_or_closed("amqp://u:***@h:5672", 530, "NOT_ALLOWED");
+        assert!(e.to_string().contains("\"/\""));
+        assert!(matches!(
+            Error::refused_or_closed("amqp://h", 403, "ACCESS_REFUSED"),
+            Error::Refused {
+                reply_code: 403,
+                ..
+            }
         ));
-        assert_eq!(
-            reason.explain(closed.to_string()),
-            describe_lapin_error(&e),
-            "a publish after the close names the broker's reason"
-        );
-        assert_eq!(reason.explain("IO error: reset".into()), "IO error: reset");
+        assert!(matches!(
+            Error::refused_or_closed("amqp://h", 320, "CONNECTION_FORCED"),
+            Error::Connect { .. }
+        ));
+        assert_eq!(percent_decode("a+b%"), "a+b%");
     }
 }

@@ -1,10 +1,9 @@
-//! Our own exhaustive outcome of one publish, mapped from lapin's `Confirmation`.
+//! Our own exhaustive outcome of one publish.
 //!
 //! Source: RabbitMQ "Consumer Acknowledgements and Publisher Confirms": an unroutable
 //! `mandatory` message is returned (`basic.return`, 312 NO_ROUTE) **and then acked**, so an
-//! ack alone does not mean delivered. lapin reports it as `Ack(Some(returned))`, attached to
-//! whichever confirm its ack loop resolves first, so returns are matched to publishes by our
-//! match key (the message LSN header), never by which future carried them.
+//! ack alone does not mean delivered. Returns are matched to publishes by the key they carry
+//! (see [`super::MatchKey`]); see [`super::confirms`] for the settling rule.
 
 /// What became of one published message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,7 +22,7 @@ pub enum PublishOutcome {
     /// The channel or connection failed before a confirm arrived: outcome unknown,
     /// treated as not delivered.
     Failed {
-        /// The lapin error, rendered.
+        /// What failed (the broker's close reply, a socket error, a missed heartbeat).
         error: String,
     },
 }

@@ -376,16 +376,27 @@ fn row(id: &str, reason: &str, attempts: &str) -> (String, String, String) {
     (id.to_owned(), reason.to_owned(), attempts.to_owned())
 }
 
-/// lapin resolves the confirms of one multiple-ack in hash order and hands a pending
-/// basic.return to whichever it resolves first, so a return may ride on a later message's
-/// confirm. Under a fast backlog with many unroutable messages, every return must still be
-/// matched to its own message: each unroutable one dead-lettered, each routable one
-/// delivered, none acknowledged as routed while it was returned.
+/// Under a fast backlog the broker coalesces acks (`multiple`), and a `basic.return` names
+/// no delivery tag, so every return must still be matched to its own message: each
+/// unroutable one dead-lettered, each routable one delivered, none acknowledged as routed
+/// while it was returned. (lapin, the earlier publisher, handed a return to whichever
+/// confirm of a multiple-ack it resolved first.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returns_in_a_fast_mixed_backlog_are_each_matched_to_their_message() {
+    mixed_returns_case("ops_mixed_returns", &[]).await;
+}
+
+/// The same with `--publish-properties minimal`: no header of ours, so returns are
+/// matched by `message_id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_match_by_message_id_with_minimal_properties() {
+    mixed_returns_case("ops_mixed_min", &["--publish-properties", "minimal"]).await;
+}
+
+async fn mixed_returns_case(name: &str, extra: &[&str]) {
     let pg = Postgres::shared();
     let url = RabbitMq::shared().url();
-    let ob = Outbox::new(pg, &url, "ops_mixed_returns").await;
+    let ob = Outbox::new(pg, &url, name).await;
     let exchange = support::unique("ops_mixed_x");
     let queue = support::unique("ops_mixed_q");
     support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
@@ -402,7 +413,9 @@ async fn returns_in_a_fast_mixed_backlog_are_each_matched_to_their_message() {
         .filter(|g| g % 7 == 3)
         .map(|g| format!("m-{g}"))
         .collect();
-    let streamer = ob.run(&["--exchange", &exchange]);
+    let mut args = vec!["--exchange", exchange.as_str()];
+    args.extend_from_slice(extra);
+    let streamer = ob.run(&args);
     assert!(
         support::wait_until(scaled(Duration::from_secs(120)), || async {
             ob.confirmed_flush() >= end
@@ -437,6 +450,64 @@ async fn returns_in_a_fast_mixed_backlog_are_each_matched_to_their_message() {
         "exactly the unroutable ones are dead-lettered"
     );
     assert_eq!(delivered.len(), routable, "every routable one is delivered");
+}
+
+/// `--publish-properties minimal`: persistent, message_id, the routing key and the
+/// producer's own headers, nothing else; an unroutable message is still returned, matched
+/// by its id and dead-lettered, and the stream goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minimal_properties_carry_only_the_id_and_the_producer_headers() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "ops_minimal").await;
+    let exchange = support::unique("ops_minimal_x");
+    let queue = support::unique("ops_minimal_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    ob.sql(r#"SELECT outbox.emit('ok.1', '{"a": 1}', '{"tenant": "t1", "n": 7}', 'min-1')"#);
+    let returned_lsn =
+        lsn(&ob.sql("SELECT outbox.emit('nobody.home', '{}', '{}', 'min-unroutable')"));
+    ob.sql(
+        "SELECT outbox.emit_bytes('ok.2', '\\x00ff'::bytea, 'application/x-raw', '{}', 'min-2')",
+    );
+    let streamer = ob.run(&["--exchange", &exchange, "--publish-properties", "minimal"]);
+    let got = support::drain_queue(&url, &queue, 2, scaled(Duration::from_secs(20))).await;
+    let ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
+    assert_eq!(ids, ["min-1", "min-2"], "{}", streamer.log());
+    assert_eq!(got[0].body_str(), r#"{"a": 1}"#);
+    assert_eq!(got[1].body, vec![0x00, 0xff]);
+    for m in &got {
+        assert_eq!(m.delivery_mode, Some(2), "persistent");
+        assert_eq!(m.content_type, None, "no content_type");
+        assert_eq!(m.timestamp, None, "no timestamp");
+        assert!(
+            !m.headers.keys().any(|k| k.starts_with("x-pgoutbox-")),
+            "none of our headers: {:?}",
+            m.headers
+        );
+    }
+    assert_eq!(got[0].header_values.len(), 2, "{:?}", got[0].header_values);
+    assert_eq!(
+        got[0].header_values.get("tenant"),
+        Some(&AMQPValue::LongString("t1".into()))
+    );
+    assert_eq!(
+        got[0].header_values.get("n"),
+        Some(&AMQPValue::LongLongInt(7))
+    );
+    assert!(
+        got[1].header_values.is_empty(),
+        "{:?}",
+        got[1].header_values
+    );
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ob.confirmed_flush() > returned_lsn
+        })
+        .await,
+        "the slot moves on once the return is durably dead-lettered:\n{}",
+        streamer.log()
+    );
+    assert_eq!(dead_letters(&ob), [row("min-unroutable", "returned", "1")]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

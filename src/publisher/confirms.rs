@@ -1,0 +1,437 @@
+//! Settling publishes in wire order: delivery tags, `basic.return`, `basic.ack` and
+//! `basic.nack`, as a plain state machine with no I/O.
+//!
+//! Source: AMQP 0-9-1 `confirm.select`, `basic.ack`, `basic.nack` (with `multiple`),
+//! `basic.return`; RabbitMQ "Consumer Acknowledgements and Publisher Confirms":
+//! - after `confirm.select` the broker numbers the channel's publishes 1, 2, 3, …: we count
+//!   them ourselves, in the order we encode them;
+//! - `ack(N, multiple)` confirms every tag up to N; acks of different tags may come in any
+//!   order;
+//! - an unroutable `mandatory` message is returned (`basic.return`) and **then** acked;
+//!   `basic.return` carries no delivery tag, so the returned message is recognised by a key
+//!   it carries (our `x-pgoutbox-lsn` header, or its `message_id` when we send no header).
+//!
+//! Only that "return before ack" rule is relied on: a return marks the unsettled publish
+//! with its key, and the ack that later covers it settles it as returned, not routed.
+
+use std::collections::VecDeque;
+
+use super::message::MatchKey;
+use super::PublishOutcome;
+use crate::lsn::Lsn;
+
+/// What a `basic.return` carried that can identify the returned message.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReturnedKey<'a> {
+    /// Our `x-pgoutbox-lsn` header, parsed, when present.
+    pub lsn: Option<Lsn>,
+    /// The `message_id` property, when present.
+    pub message_id: Option<&'a str>,
+}
+
+/// A broker behaviour the settling rule cannot accept: the channel's state is unknown, so
+/// nothing more may be settled on it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// A `basic.return` with neither our header nor (for publishes keyed by it) a message id.
+    #[error("RabbitMQ returned a message ({reply_code} {reply_text}) that carries no x-pgoutbox-lsn header and no message_id: it cannot be matched to a publish")]
+    ReturnWithoutKey {
+        /// The return's reply code, e.g. 312.
+        reply_code: u16,
+        /// The return's reply text, e.g. `NO_ROUTE`.
+        reply_text: String,
+    },
+    /// A `basic.return` whose key matches no unsettled publish (for example one that came
+    /// after its own ack).
+    #[error("RabbitMQ returned a message ({reply_code} {reply_text}) with key {key} that matches no unconfirmed publish (a return must come before its ack)")]
+    ReturnMatchesNothing {
+        /// The return's reply code.
+        reply_code: u16,
+        /// The return's reply text.
+        reply_text: String,
+        /// The key it carried, as text.
+        key: String,
+    },
+    /// An ack or nack of a delivery tag that was never published or is already settled.
+    #[error("RabbitMQ sent basic.{kind} for delivery tag {tag} (multiple: {multiple}), but the last tag published is {last} and that tag is not unconfirmed")]
+    UnknownTag {
+        /// `ack` or `nack`.
+        kind: &'static str,
+        /// The delivery tag.
+        tag: u64,
+        /// The `multiple` flag.
+        multiple: bool,
+        /// The highest tag published so far.
+        last: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    tag: T,
+    key: MatchKey,
+    /// Set by a `basic.return` seen before this publish's ack: (reply code, reply text).
+    returned: Option<(u16, String)>,
+}
+
+/// Unsettled publishes by delivery tag, and the settling rule.
+///
+/// Memory is one slot per delivery tag from the oldest unsettled one to the newest, so it
+/// follows the window of unconfirmed publishes.
+#[derive(Debug)]
+pub struct Confirms<T> {
+    /// The delivery tag of `slots[0]`.
+    base: u64,
+    /// `None` once settled.
+    slots: VecDeque<Option<Entry<T>>>,
+    unsettled: usize,
+}
+
+impl<T> Default for Confirms<T> {
+    fn default() -> Self {
+        Confirms {
+            base: 1,
+            slots: VecDeque::new(),
+            unsettled: 0,
+        }
+    }
+}
+
+impl<T> Confirms<T> {
+    /// Records a publish; returns its delivery tag (1 for the first after `confirm.select`).
+    pub fn published(&mut self, tag: T, key: MatchKey) -> u64 {
+        let delivery_tag = self.base + self.slots.len() as u64;
+        self.slots.push_back(Some(Entry {
+            tag,
+            key,
+            returned: None,
+        }));
+        self.unsettled += 1;
+        delivery_tag
+    }
+
+    /// The highest delivery tag handed out (0 before the first publish).
+    pub fn last_tag(&self) -> u64 {
+        self.base + self.slots.len() as u64 - 1
+    }
+
+    /// Publishes not yet acked or nacked.
+    pub fn unsettled(&self) -> usize {
+        self.unsettled
+    }
+
+    /// A `basic.return`: marks the unsettled publish(es) carrying `key` as returned. A
+    /// publish keyed by its LSN is unique among unsettled ones; several unsettled publishes
+    /// may share a message id, and then all of them are marked (a duplicate is acceptable,
+    /// a loss is not). Returns how many were marked.
+    ///
+    /// # Errors
+    /// [`Violation::ReturnWithoutKey`], [`Violation::ReturnMatchesNothing`].
+    pub fn returned(
+        &mut self,
+        key: ReturnedKey<'_>,
+        reply_code: u16,
+        reply_text: &str,
+    ) -> Result<usize, Violation> {
+        if key.lsn.is_none() && key.message_id.is_none() {
+            return Err(Violation::ReturnWithoutKey {
+                reply_code,
+                reply_text: reply_text.to_owned(),
+            });
+        }
+        let mut marked = 0;
+        for entry in self.slots.iter_mut().flatten() {
+            let hit = match &entry.key {
+                MatchKey::Lsn(lsn) => key.lsn == Some(*lsn),
+                MatchKey::MessageId(id) => key.message_id == Some(id.as_str()),
+            };
+            if hit && entry.returned.is_none() {
+                entry.returned = Some((reply_code, reply_text.to_owned()));
+                marked += 1;
+                if matches!(entry.key, MatchKey::Lsn(_)) {
+                    break;
+                }
+            }
+        }
+        if marked == 0 {
+            let key = match (key.lsn, key.message_id) {
+                (Some(lsn), _) => format!("x-pgoutbox-lsn {lsn}"),
+                (None, Some(id)) => format!("message_id {id:?}"),
+                (None, None) => String::new(),
+            };
+            return Err(Violation::ReturnMatchesNothing {
+                reply_code,
+                reply_text: reply_text.to_owned(),
+                key,
+            });
+        }
+        Ok(marked)
+    }
+
+    /// A `basic.ack`: settles `delivery_tag` (and, with `multiple`, every unsettled tag
+    /// below it) as [`PublishOutcome::Routed`], or [`PublishOutcome::Returned`] when a
+    /// return marked it. Outcomes are appended to `out` in tag order.
+    ///
+    /// # Errors
+    /// [`Violation::UnknownTag`]; nothing is settled then.
+    pub fn ack(
+        &mut self,
+        delivery_tag: u64,
+        multiple: bool,
+        out: &mut Vec<(T, PublishOutcome)>,
+    ) -> Result<(), Violation> {
+        self.settle(
+            "ack",
+            delivery_tag,
+            multiple,
+            out,
+            |returned| match returned {
+                None => PublishOutcome::Routed,
+                Some((reply_code, reply_text)) => PublishOutcome::Returned {
+                    reply_code,
+                    reply_text,
+                },
+            },
+        )
+    }
+
+    /// A `basic.nack`: settles like [`Confirms::ack`], every one as
+    /// [`PublishOutcome::Nacked`].
+    ///
+    /// # Errors
+    /// [`Violation::UnknownTag`]; nothing is settled then.
+    pub fn nack(
+        &mut self,
+        delivery_tag: u64,
+        multiple: bool,
+        out: &mut Vec<(T, PublishOutcome)>,
+    ) -> Result<(), Violation> {
+        self.settle("nack", delivery_tag, multiple, out, |_| {
+            PublishOutcome::Nacked
+        })
+    }
+
+    /// The connection or channel failed: every unsettled publish becomes
+    /// [`PublishOutcome::Failed`] with `error`, in tag order.
+    pub fn fail_all(&mut self, error: &str, out: &mut Vec<(T, PublishOutcome)>) {
+        let released = self.slots.len() as u64;
+        for entry in self.slots.drain(..).flatten() {
+            out.push((
+                entry.tag,
+                PublishOutcome::Failed {
+                    error: error.to_owned(),
+                },
+            ));
+        }
+        self.base += released;
+        self.unsettled = 0;
+    }
+
+    fn settle(
+        &mut self,
+        kind: &'static str,
+        delivery_tag: u64,
+        multiple: bool,
+        out: &mut Vec<(T, PublishOutcome)>,
+        outcome: impl Fn(Option<(u16, String)>) -> PublishOutcome,
+    ) -> Result<(), Violation> {
+        let unknown = Violation::UnknownTag {
+            kind,
+            tag: delivery_tag,
+            multiple,
+            last: self.last_tag(),
+        };
+        if delivery_tag == 0 || delivery_tag > self.last_tag() {
+            return Err(unknown);
+        }
+        let index = (delivery_tag.saturating_sub(self.base)) as usize;
+        if multiple {
+            // Tags below `base` are settled already; `ack(N, multiple)` may repeat them.
+            if delivery_tag >= self.base {
+                for slot in self.slots.iter_mut().take(index + 1) {
+                    if let Some(entry) = slot.take() {
+                        self.unsettled -= 1;
+                        out.push((entry.tag, outcome(entry.returned)));
+                    }
+                }
+            }
+        } else {
+            let entry = match delivery_tag.checked_sub(self.base) {
+                Some(_) => self.slots.get_mut(index).and_then(Option::take),
+                None => None,
+            };
+            let Some(entry) = entry else {
+                return Err(unknown);
+            };
+            self.unsettled -= 1;
+            out.push((entry.tag, outcome(entry.returned)));
+        }
+        while matches!(self.slots.front(), Some(None)) {
+            self.slots.pop_front();
+            self.base += 1;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(n: u64) -> MatchKey {
+        MatchKey::Lsn(Lsn(n))
+    }
+
+    fn returned_lsn(n: u64) -> ReturnedKey<'static> {
+        ReturnedKey {
+            lsn: Some(Lsn(n)),
+            message_id: None,
+        }
+    }
+
+    fn three() -> Confirms<u32> {
+        let mut c = Confirms::default();
+        assert_eq!(c.published(1, lsn(10)), 1);
+        assert_eq!(c.published(2, lsn(20)), 2);
+        assert_eq!(c.published(3, lsn(30)), 3);
+        c
+    }
+
+    fn returned_312() -> PublishOutcome {
+        PublishOutcome::Returned {
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+        }
+    }
+
+    /// The ordering: return(#1), ack(3), ack(1), ack(2) gives #1 returned.
+    #[test]
+    fn return_then_later_ack_then_its_own_ack() {
+        let mut c = three();
+        let mut out = Vec::new();
+        assert_eq!(c.returned(returned_lsn(10), 312, "NO_ROUTE"), Ok(1));
+        c.ack(3, false, &mut out).unwrap();
+        c.ack(1, false, &mut out).unwrap();
+        c.ack(2, false, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                (3, PublishOutcome::Routed),
+                (1, returned_312()),
+                (2, PublishOutcome::Routed)
+            ]
+        );
+        assert_eq!(c.unsettled(), 0);
+        assert_eq!(c.slots.len(), 0, "settled slots are released");
+    }
+
+    #[test]
+    fn multiple_ack_covers_a_returned_tag_and_others() {
+        let mut c = three();
+        let mut out = Vec::new();
+        c.returned(returned_lsn(20), 312, "NO_ROUTE").unwrap();
+        c.ack(3, true, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                (1, PublishOutcome::Routed),
+                (2, returned_312()),
+                (3, PublishOutcome::Routed)
+            ]
+        );
+    }
+
+    #[test]
+    fn multiple_nack_after_a_single_ack() {
+        let mut c = three();
+        let mut out = Vec::new();
+        c.ack(2, false, &mut out).unwrap();
+        c.nack(3, true, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                (2, PublishOutcome::Routed),
+                (1, PublishOutcome::Nacked),
+                (3, PublishOutcome::Nacked)
+            ]
+        );
+        // A repeated multiple ack below the base settles nothing and is not an error.
+        c.published(4, lsn(40));
+        c.ack(3, true, &mut out).unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(c.unsettled(), 1);
+    }
+
+    #[test]
+    fn violations_settle_nothing() {
+        let mut c = three();
+        let mut out = Vec::new();
+        assert!(matches!(
+            c.returned(ReturnedKey::default(), 312, "NO_ROUTE"),
+            Err(Violation::ReturnWithoutKey { .. })
+        ));
+        assert!(matches!(
+            c.returned(returned_lsn(99), 312, "NO_ROUTE"),
+            Err(Violation::ReturnMatchesNothing { .. })
+        ));
+        assert!(matches!(
+            c.ack(4, false, &mut out),
+            Err(Violation::UnknownTag { tag: 4, .. })
+        ));
+        assert!(matches!(
+            c.ack(0, true, &mut out),
+            Err(Violation::UnknownTag { .. })
+        ));
+        c.ack(1, false, &mut out).unwrap();
+        assert!(matches!(
+            c.ack(1, false, &mut out),
+            Err(Violation::UnknownTag { tag: 1, .. })
+        ));
+        // A return after its own ack matches nothing.
+        assert!(matches!(
+            c.returned(returned_lsn(10), 312, "NO_ROUTE"),
+            Err(Violation::ReturnMatchesNothing { .. })
+        ));
+        assert_eq!(out, vec![(1, PublishOutcome::Routed)]);
+        assert_eq!(c.unsettled(), 2);
+    }
+
+    #[test]
+    fn message_id_keys_mark_every_unsettled_publish_sharing_the_id() {
+        let mut c: Confirms<u32> = Confirms::default();
+        let id = |s: &str| MatchKey::MessageId(s.to_owned().into());
+        c.published(1, id("a"));
+        c.published(2, id("b"));
+        c.published(3, id("a"));
+        let key = ReturnedKey {
+            lsn: None,
+            message_id: Some("a"),
+        };
+        assert_eq!(c.returned(key, 312, "NO_ROUTE"), Ok(2));
+        let mut out = Vec::new();
+        c.ack(3, true, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                (1, returned_312()),
+                (2, PublishOutcome::Routed),
+                (3, returned_312())
+            ]
+        );
+    }
+
+    #[test]
+    fn fail_all_reports_every_unsettled_publish_in_tag_order() {
+        let mut c = three();
+        let mut out = Vec::new();
+        c.ack(2, false, &mut out).unwrap();
+        out.clear();
+        c.fail_all("socket closed", &mut out);
+        let tags: Vec<u32> = out.iter().map(|(t, _)| *t).collect();
+        assert_eq!(tags, vec![1, 3]);
+        assert!(out.iter().all(
+            |(_, o)| matches!(o, PublishOutcome::Failed { error } if error == "socket closed")
+        ));
+        assert_eq!(c.unsettled(), 0);
+    }
+}

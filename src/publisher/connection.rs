@@ -1,0 +1,366 @@
+//! The connect step: TCP, the AMQP 0-9-1 handshake, one channel in confirm mode, and the
+//! exchange declaration. Kept apart from the streaming session ([`super::Publisher`]) so
+//! that trying several brokers in turn (failover) is a loop around this step.
+//!
+//! Source: AMQP 0-9-1 specification, section 2.2.4 "Connection" (protocol header,
+//! `connection.start`/`start-ok`, `tune`/`tune-ok`, `open`/`open-ok`), 4.2.1 (frame sizes),
+//! 4.2.7 "Heartbeat Frames"; `channel.open`; RabbitMQ's `confirm.select` extension and its
+//! client capabilities (`authentication_failure_close`, `connection.blocked`).
+
+use std::time::Duration;
+
+use amq_protocol::frame::{AMQPFrame, ProtocolVersion};
+use amq_protocol::protocol::{channel, confirm, connection, exchange, AMQPClass};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use amq_protocol::uri::AMQPUri;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::wire::{self, FRAME_MIN_SIZE};
+use super::Error;
+
+/// The one channel we publish on.
+pub const CHANNEL: u16 = 1;
+/// The `frame_max` we ask for when the URL names none (RabbitMQ's default is the same).
+pub const DEFAULT_FRAME_MAX: u32 = 131_072;
+/// AMQP heartbeat (seconds) asked for when the URL names none: a dead broker or a
+/// black-holed connection is noticed within about twice this.
+pub const DEFAULT_HEARTBEAT_S: u16 = 10;
+
+/// What the handshake agreed on (section 2.2.4, `connection.tune`/`tune-ok`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuned {
+    /// The largest frame either side may send, bytes (frame header and end included).
+    pub frame_max: u32,
+    /// Heartbeat interval; `None` when both sides disabled heartbeats.
+    pub heartbeat: Option<Duration>,
+}
+
+/// A connection ready to publish: channel 1 open in confirm mode, exchange declared.
+#[derive(Debug)]
+pub struct Opened {
+    /// The socket.
+    pub socket: TcpStream,
+    /// Bytes read past the last handshake frame (normally none).
+    pub leftover: Vec<u8>,
+    /// The negotiated limits.
+    pub tuned: Tuned,
+}
+
+/// Settles a negotiated value the way RabbitMQ's clients do: 0 means "no limit" on either
+/// side, otherwise the smaller wins.
+fn negotiate(client: u32, server: u32) -> u32 {
+    match (client, server) {
+        (0, s) => s,
+        (c, 0) => c,
+        (c, s) => c.min(s),
+    }
+}
+
+/// Connects to the broker `uri` names, logs in with PLAIN, opens channel [`CHANNEL`],
+/// enables publisher confirms and declares `exchange` (durable topic).
+///
+/// # Errors
+/// [`Error::Refused`] for 403 `ACCESS_REFUSED` and 530 `NOT_ALLOWED`; [`Error::Declare`]
+/// when the broker refuses the exchange declaration; [`Error::Connect`] for everything
+/// else (TCP, a broker that does not speak AMQP 0-9-1, a close during the handshake).
+pub async fn open(
+    uri: &AMQPUri,
+    redacted_url: &str,
+    exchange_name: &str,
+    connection_name: &str,
+) -> Result<Opened, Error> {
+    let connect_err = |context: String| Error::Connect {
+        url: redacted_url.to_owned(),
+        context,
+    };
+    let address = (uri.authority.host.as_str(), uri.authority.port);
+    let mut socket = TcpStream::connect(address).await.map_err(|e| {
+        connect_err(format!(
+            "TCP connect to {}:{} failed: {e}",
+            uri.authority.host, uri.authority.port
+        ))
+    })?;
+    let _ = socket.set_nodelay(true);
+    let mut hs = Handshake {
+        socket: &mut socket,
+        buf: Vec::with_capacity(4096),
+        frame_max: FRAME_MIN_SIZE,
+        url: redacted_url,
+    };
+    let mut out = Vec::with_capacity(512);
+    wire::encode(
+        &mut out,
+        &AMQPFrame::ProtocolHeader(ProtocolVersion::amqp_0_9_1()),
+    )
+    .map_err(&connect_err)?;
+    hs.write(&out).await?;
+
+    // connection.start → start-ok (PLAIN).
+    let start = match hs.method().await? {
+        (0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
+        (_, other) => return Err(hs.unexpected("connection.start", &other)),
+    };
+    let mechanisms = String::from_utf8_lossy(start.mechanisms.as_bytes()).into_owned();
+    if !mechanisms.split_whitespace().any(|m| m == "PLAIN") {
+        return Err(connect_err(format!(
+            "the broker offers the SASL mechanisms {mechanisms:?}, not PLAIN; enable PLAIN (RabbitMQ: auth_mechanisms.1 = PLAIN)"
+        )));
+    }
+    let mut response = Vec::with_capacity(2 + uri.authority.userinfo.username.len() + 16);
+    response.push(0);
+    response.extend_from_slice(uri.authority.userinfo.username.as_bytes());
+    response.push(0);
+    response.extend_from_slice(uri.authority.userinfo.password.as_bytes());
+    let start_ok = connection::StartOk {
+        client_properties: client_properties(connection_name),
+        mechanism: ShortString::from("PLAIN"),
+        response: LongString::from(response),
+        locale: ShortString::from("en_US"),
+    };
+    hs.send(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
+    )
+    .await?;
+
+    // connection.tune → tune-ok, open.
+    let tune = match hs.method().await? {
+        (0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) => tune,
+        (_, other) => return Err(hs.unexpected("connection.tune", &other)),
+    };
+    let frame_max = negotiate(
+        uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX),
+        tune.frame_max,
+    )
+    .max(FRAME_MIN_SIZE);
+    let heartbeat = negotiate(
+        u32::from(uri.query.heartbeat.unwrap_or(DEFAULT_HEARTBEAT_S)),
+        u32::from(tune.heartbeat),
+    ) as u16;
+    let channel_max = negotiate(1, u32::from(tune.channel_max)) as u16;
+    hs.send(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+            channel_max,
+            frame_max,
+            heartbeat,
+        })),
+    )
+    .await?;
+    hs.frame_max = frame_max;
+    hs.send(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: ShortString::try_new(uri.vhost.clone())
+                .map_err(|_| connect_err("the vhost is longer than 255 bytes".into()))?,
+        })),
+    )
+    .await?;
+    match hs.method().await? {
+        (0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))) => {}
+        (_, other) => return Err(hs.unexpected("connection.open-ok", &other)),
+    }
+
+    // channel.open, confirm.select, exchange.declare.
+    hs.send(
+        CHANNEL,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    )
+    .await?;
+    match hs.method().await? {
+        (CHANNEL, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {}
+        (_, other) => return Err(hs.unexpected("channel.open-ok", &other)),
+    }
+    hs.send(
+        CHANNEL,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
+    )
+    .await?;
+    match hs.method().await? {
+        (CHANNEL, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
+        (_, other) => return Err(hs.unexpected("confirm.select-ok", &other)),
+    }
+    let exchange = ShortString::try_new(exchange_name.to_owned())
+        .map_err(|_| connect_err("the exchange name is longer than 255 bytes".into()))?;
+    hs.send(
+        CHANNEL,
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange,
+            kind: ShortString::from("topic"),
+            passive: false,
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+    )
+    .await?;
+    match hs.method().await {
+        Ok((CHANNEL, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)))) => {}
+        Ok((_, AMQPClass::Channel(channel::AMQPMethod::Close(close)))) => {
+            return Err(Error::Declare {
+                exchange: exchange_name.to_owned(),
+                reply_code: close.reply_code,
+                reply_text: close.reply_text.as_str().to_owned(),
+            })
+        }
+        Ok((_, other)) => return Err(hs.unexpected("exchange.declare-ok", &other)),
+        Err(e) => return Err(e),
+    }
+    let leftover = std::mem::take(&mut hs.buf);
+    Ok(Opened {
+        socket,
+        leftover,
+        tuned: Tuned {
+            frame_max,
+            heartbeat: (heartbeat > 0).then(|| Duration::from_secs(u64::from(heartbeat))),
+        },
+    })
+}
+
+/// `connection.start-ok` client properties: who we are, and the RabbitMQ capabilities we
+/// handle (`connection.blocked`, `authentication_failure_close` so a refused login is a
+/// `connection.close` 403 rather than a dropped socket, `publisher_confirms`,
+/// `basic.nack`).
+fn client_properties(connection_name: &str) -> FieldTable {
+    let mut capabilities = FieldTable::default();
+    for cap in [
+        "publisher_confirms",
+        "basic.nack",
+        "connection.blocked",
+        "authentication_failure_close",
+    ] {
+        capabilities.insert(ShortString::from(cap), AMQPValue::Boolean(true));
+    }
+    let mut props = FieldTable::default();
+    let text = |s: &str| AMQPValue::LongString(LongString::from(s));
+    props.insert("product".into(), text("pgoutbox"));
+    props.insert("version".into(), text(env!("CARGO_PKG_VERSION")));
+    props.insert("platform".into(), text("Rust"));
+    props.insert("connection_name".into(), text(connection_name));
+    props.insert("capabilities".into(), AMQPValue::FieldTable(capabilities));
+    props
+}
+
+/// The handshake's reads and writes: one frame at a time, with a buffer.
+struct Handshake<'a> {
+    socket: &'a mut TcpStream,
+    buf: Vec<u8>,
+    frame_max: u32,
+    url: &'a str,
+}
+
+impl Handshake<'_> {
+    fn err(&self, context: String) -> Error {
+        Error::Connect {
+            url: self.url.to_owned(),
+            context,
+        }
+    }
+
+    fn unexpected(&self, wanted: &str, got: &AMQPClass) -> Error {
+        match got {
+            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => self.err(format!(
+                "the broker closed the channel with {} {} (waiting for {wanted})",
+                c.reply_code,
+                c.reply_text.as_str()
+            )),
+            other => self.err(format!("expected {wanted} from the broker, got {other:?}")),
+        }
+    }
+
+    async fn write(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        self.socket
+            .write_all(bytes)
+            .await
+            .map_err(|e| self.err(format!("writing the AMQP handshake failed: {e}")))
+    }
+
+    async fn send(&mut self, channel: u16, method: AMQPClass) -> Result<(), Error> {
+        let mut out = Vec::with_capacity(256);
+        wire::encode(&mut out, &AMQPFrame::Method(channel, method)).map_err(|e| self.err(e))?;
+        self.write(&out).await
+    }
+
+    /// The next method frame (heartbeats skipped). A `connection.close` becomes
+    /// [`Error::Refused`] (403, 530) or [`Error::Connect`] naming the reply.
+    async fn method(&mut self) -> Result<(u16, AMQPClass), Error> {
+        loop {
+            let frame = self.frame().await?;
+            match frame {
+                AMQPFrame::Heartbeat => continue,
+                AMQPFrame::Method(_, AMQPClass::Connection(connection::AMQPMethod::Close(c))) => {
+                    return Err(Error::refused_or_closed(
+                        self.url,
+                        c.reply_code,
+                        c.reply_text.as_str(),
+                    ))
+                }
+                AMQPFrame::Method(channel, method) => return Ok((channel, method)),
+                other => {
+                    return Err(self.err(format!(
+                        "the broker sent {other} during the handshake; is this an AMQP 0-9-1 server (RabbitMQ)?"
+                    )))
+                }
+            }
+        }
+    }
+
+    async fn frame(&mut self) -> Result<AMQPFrame, Error> {
+        loop {
+            // A server answering the protocol header with its own (a version mismatch) is
+            // 8 bytes starting "AMQP".
+            if self.buf.starts_with(b"AMQP") && self.buf.len() >= 8 {
+                return Err(self.err(format!(
+                    "the broker does not speak AMQP 0-9-1 (it answered with protocol header {:?})",
+                    &self.buf[..8]
+                )));
+            }
+            match wire::frame_len(&self.buf, self.frame_max.max(DEFAULT_FRAME_MAX)) {
+                Ok(Some(n)) => {
+                    let frame =
+                        wire::decode(&self.buf[..n]).map_err(|e| self.err(e.to_string()))?;
+                    self.buf.drain(..n);
+                    return Ok(frame);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(self.err(format!(
+                        "{e}; is this an AMQP 0-9-1 server (RabbitMQ) at the URL's host and port?"
+                    )))
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            let n = self
+                .socket
+                .read(&mut chunk)
+                .await
+                .map_err(|e| self.err(format!("reading the AMQP handshake failed: {e}")))?;
+            if n == 0 {
+                return Err(self.err(
+                    "the broker closed the connection during the AMQP handshake (a wrong port, a TLS-only listener, or a refused login on a broker without authentication_failure_close)"
+                        .into(),
+                ));
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_means_no_limit_and_otherwise_the_smaller_wins() {
+        assert_eq!(negotiate(0, 60), 60);
+        assert_eq!(negotiate(10, 0), 10);
+        assert_eq!(negotiate(10, 60), 10);
+        assert_eq!(negotiate(131_072, 4096), 4096);
+        assert_eq!(negotiate(0, 0), 0);
+    }
+}
