@@ -597,6 +597,75 @@ async fn a_return_after_its_own_ack_is_a_protocol_error() {
     assert_settles_nothing_more(&fake, &mut p).await;
 }
 
+/// Messages keyed by `message_id` (`--publish-properties minimal`: no header of ours): a
+/// return carrying id `a` marks every unsettled publish with that id (a duplicate is
+/// acceptable, a loss is not), and one multiple ack settles them as returned.
+#[tokio::test]
+async fn returns_of_messages_keyed_by_message_id_mark_every_publish_with_that_id() {
+    let (fake, mut p) = connect(FakeConfig::default()).await;
+    for (n, id) in [(1, "a"), (2, "b"), (3, "a")] {
+        p.publish(OutboundMessage {
+            tag: n,
+            routing_key: ShortString::from(format!("orders.{n}")),
+            body: format!("message {n}").into_bytes().into(),
+            properties: BasicProperties::default()
+                .with_message_id(id.into())
+                .with_delivery_mode(2),
+            match_key: MatchKey::MessageId(id.into()),
+        })
+        .expect("publish");
+    }
+    let sent = drive(&mut p, fake.wait_publishes(3)).await;
+    assert!(sent.iter().all(|s| s.lsn.is_none()), "{sent:?}");
+    let mut frames = return_frames(
+        &sent[0],
+        312,
+        "NO_ROUTE",
+        ReturnContent::AsPublished,
+        fake.config().frame_max,
+    );
+    frames.push(ack(3, true));
+    fake.send_frames(&frames).await;
+    assert_eq!(
+        collect(&mut p, 3).await,
+        vec![
+            (1, returned(312, "NO_ROUTE")),
+            (2, PublishOutcome::Routed),
+            (3, returned(312, "NO_ROUTE")),
+        ]
+    );
+    assert_no_violations(&fake);
+}
+
+/// An ack of a tag never published, or of one already settled, breaks the protocol:
+/// `Err(Error::Protocol)`, nothing settled.
+#[tokio::test]
+async fn an_ack_of_an_unknown_or_settled_tag_is_a_protocol_error() {
+    let (fake, mut p) = connect(FakeConfig::default()).await;
+    publish_all(&fake, &mut p, 1..=2).await;
+    fake.send_frames(&[ack(3, false), ack(2, true)]).await;
+    let (got, e) = collect_until_err(&mut p, scaled(WAIT)).await;
+    assert_eq!(got, Vec::new());
+    assert!(
+        matches!(&e, Error::Protocol(text) if text.contains("delivery tag 3")),
+        "{e:?}"
+    );
+    assert_settles_nothing_more(&fake, &mut p).await;
+
+    let (fake, mut p) = connect(FakeConfig::default()).await;
+    publish_all(&fake, &mut p, 1..=2).await;
+    fake.send_ack(1, false).await;
+    assert_eq!(collect(&mut p, 1).await, vec![(1, PublishOutcome::Routed)]);
+    fake.send_frames(&[ack(1, false), ack(2, false)]).await;
+    let (got, e) = collect_until_err(&mut p, scaled(WAIT)).await;
+    assert_eq!(got, Vec::new());
+    assert!(
+        matches!(&e, Error::Protocol(text) if text.contains("delivery tag 1")),
+        "{e:?}"
+    );
+    assert_settles_nothing_more(&fake, &mut p).await;
+}
+
 /// `channel.close` 406 with four publishes out, #1 acked and #3 returned but not acked:
 /// #2, #3 and #4 fail with the broker's text, the publisher answers `channel.close-ok`, and
 /// later calls return `Error::Lost`.
@@ -668,19 +737,22 @@ async fn a_connection_close_mid_window_fails_every_unsettled_tag() {
     assert!(!p.is_connected());
     // The spec (connection.close, section 1.4.2.8) asks for connection.close-ok in reply.
     let close_ok = tokio::time::timeout(scaled(WAIT), async {
-        tokio::join!(fake.wait_closed(), async {
-            let _ = tokio::time::timeout(QUIET, p.recv_outcomes()).await;
-        })
+        tokio::join!(
+            fake.wait_method("connection.close-ok", |m| {
+                matches!(m, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))
+            }),
+            async {
+                let _ = tokio::time::timeout(QUIET, p.recv_outcomes()).await;
+            }
+        )
     })
     .await;
-    assert!(close_ok.is_ok());
     assert!(
-        fake.methods()
-            .iter()
-            .any(|(_, m)| matches!(m, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)))),
+        close_ok.is_ok(),
         "no connection.close-ok; methods {:?}",
         fake.methods()
     );
+    fake.wait_closed().await;
     assert_no_violations(&fake);
 }
 

@@ -371,7 +371,7 @@ impl FakeBroker {
 
     /// Waits until the socket is closed (bounded by [`WAIT`]).
     pub async fn wait_closed(&self) {
-        self.wait_for("the socket to close", |s| s.closed.then_some(()))
+        self.wait_for("close of the socket", |s| s.closed.then_some(()))
             .await
     }
 
