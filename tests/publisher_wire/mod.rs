@@ -8,11 +8,9 @@
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-
+use lapin::protocol::{connection, AMQPClass};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
-
-use lapin::protocol::{connection, AMQPClass};
 use pgoutbox::lsn::Lsn;
 use pgoutbox::publisher::{
     BrokerSignals, Error, MatchKey, OutboundMessage, PublishOutcome, Publisher, PublisherConfig,
@@ -61,11 +59,17 @@ async fn lapin_publish(
 }
 
 /// The fake against lapin: handshake, confirm.select, exchange.declare, a publish the fake
-/// acks (lapin's confirm resolves as a plain ack), and a publish the fake returns and then
-/// acks (lapin's confirm carries the returned message, headers and body intact).
+/// acks (lapin's confirm resolves as a plain ack), a publish the fake returns and then acks
+/// (lapin's confirm carries the returned message, headers and body intact), heartbeats
+/// both ways at 1 s (lapin stays connected meanwhile), and lapin's
+/// connection.close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fake_broker_speaks_amqp_to_lapin() {
-    let fake = FakeBroker::start(FakeConfig::default()).await;
+    let fake = FakeBroker::start(FakeConfig {
+        heartbeat: 1,
+        ..FakeConfig::default()
+    })
+    .await;
     let conn = tokio::time::timeout(
         scaled(WAIT),
         Connection::connect(&fake.url(), ConnectionProperties::default()),
@@ -155,6 +159,15 @@ async fn the_fake_broker_speaks_amqp_to_lapin() {
             .and_then(|h| h.inner().get(LSN_HEADER).cloned()),
         Some(AMQPValue::LongString("0/20".into()))
     );
+
+    assert_eq!(fake.tune_ok().expect("tune-ok").heartbeat, 1);
+    assert!(
+        fake.wait_heartbeats(4, scaled(Duration::from_secs(4)))
+            .await,
+        "lapin sent {} heartbeats",
+        fake.heartbeats_received()
+    );
+    assert!(conn.status().connected(), "lapin dropped the connection");
 
     tokio::time::timeout(scaled(WAIT), conn.close(200, "bye".into()))
         .await
