@@ -956,6 +956,11 @@ async fn a_broker_that_stops_heartbeats_is_declared_dead() {
     let stopped = tokio::time::Instant::now();
     let (got, e) = collect_until_err(&mut p, scaled(Duration::from_secs(6))).await;
     let elapsed = stopped.elapsed();
+    eprintln!(
+        "heartbeats stopped: publisher failed after {elapsed:?}; heartbeats received from it: {} before, {} after",
+        before,
+        fake.heartbeats_received()
+    );
     assert!(
         elapsed >= Duration::from_millis(1500) && elapsed <= scaled(Duration::from_secs(4)),
         "declared dead after {elapsed:?}"
