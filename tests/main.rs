@@ -15,4 +15,5 @@ mod lifecycle;
 mod observability;
 mod operations;
 mod proxy_smoke;
+mod publisher_wire;
 mod status;
