@@ -208,7 +208,7 @@ pub async fn open(
                 exchange: exchange_name.to_owned(),
                 reply_code: close.reply_code,
                 reply_text: close.reply_text.as_str().to_owned(),
-            })
+            });
         }
         Ok((_, other)) => return Err(hs.unexpected("exchange.declare-ok", &other)),
         Err(e) => return Err(e),
