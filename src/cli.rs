@@ -294,10 +294,10 @@ pub struct RunArgs {
     /// its JSON header (id, topic, content type, producer headers) and 5 bytes of framing.
     #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_message_bytes: usize,
-    /// Microseconds between two small reads of the replication stream while publishes are
-    /// unconfirmed: under a steady stream of transactions, one read (and one publish batch)
-    /// per interval instead of one per transaction. When nothing is unconfirmed (low rates)
-    /// the next read is immediate. Adds at most this much latency; 0 reads every transaction
+    /// Microseconds between two small reads of the replication stream while 4 or more
+    /// publishes are unconfirmed: under a steady stream of transactions, one read (and one
+    /// publish batch) per interval instead of one per transaction. At low rates (fewer in
+    /// flight) the next read is immediate. Adds at most this much latency; 0 reads every transaction
     /// at once (0 to 100000).
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,

@@ -363,8 +363,8 @@ pub struct RunConfig {
     /// (it ends early once nothing is unconfirmed).
     pub postgres_loss_drain: Duration,
     /// Minimum time between two reads of the replication socket when the previous read was
-    /// small and publishes are unconfirmed (ms-scale; zero reads as soon as bytes arrive).
-    /// With nothing unconfirmed (an idle stream, a low rate) bytes are read at once; under a
+    /// small and 4 or more publishes are unconfirmed (ms-scale; zero reads as soon as bytes
+    /// arrive). With fewer unconfirmed (an idle stream, a low rate) bytes are read at once; under a
     /// steady stream of small transactions they are read at most once per interval, so one
     /// wake-up, one publish batch and one confirm batch cover many transactions. Reads of
     /// 64 KiB or more (a backlog, big messages) are never delayed.

@@ -175,7 +175,16 @@ fn is_definite_sqlstate(code: &str) -> bool {
     code.starts_with("28") || code == "3D000" || code == "42501"
 }
 
-/// Renders an error with its chain of causes, one per line, for the operator.
+/// The error and its causes on one line, joined by `: ` (for a log field; see
+/// [`render_report`] for the multi-line form).
+pub fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    render_report(error)
+        .trim_start_matches("error: ")
+        .replace("\n  caused by: ", ": ")
+}
+
+/// The error and its causes, one per line (`error: ...`, then `  caused by: ...`), each
+/// cause printed once.
 pub fn render_report(error: &(dyn std::error::Error + 'static)) -> String {
     let mut out = format!("error: {error}");
     let mut last = error.to_string();
@@ -196,6 +205,20 @@ pub fn render_report(error: &(dyn std::error::Error + 'static)) -> String {
 mod tests {
     use super::*;
     use crate::publisher::Error as PublisherError;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("session failed")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn one_line_joins_the_causes_a_report_prints_on_separate_lines() {
+        let e = Outer(std::io::Error::other("connection refused"));
+        assert_eq!(
+            render_report(&e),
+            "error: session failed\n  caused by: connection refused"
+        );
+        assert_eq!(one_line(&e), "session failed: connection refused");
+    }
 
     #[test]
     fn an_unusable_tls_file_is_definite_and_a_failed_handshake_is_retried() {

@@ -15,5 +15,6 @@ mod lifecycle;
 mod observability;
 mod operations;
 mod proxy_smoke;
+mod publisher_wire;
 mod status;
 mod tls;

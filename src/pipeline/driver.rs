@@ -214,7 +214,7 @@ pub async fn run(
         summary.reconnects += 1;
         telemetry.reconnect(reconnect_cause(&error));
         tracing::warn!(
-            error = %crate::error::render_report(&error),
+            error = %crate::error::one_line(&error),
             retry_in_ms = delay.as_millis() as u64,
             resume_lsn = %memory.resume.unwrap_or_default(),
             "session failed; reconnecting"
@@ -456,6 +456,7 @@ async fn start_stream(
         ("publication_names", config.publication.as_str()),
         ("messages", "true"),
     ];
+    let mut announced = false;
     loop {
         let mut conn = ReplicationConnection::connect(pg, application_name).await?;
         let identity = conn.identify_system().await?;
@@ -497,13 +498,26 @@ async fn start_stream(
                 }
                 telemetry.set_phase(Phase::SlotBusy);
                 telemetry.reconnect("slot_busy");
-                tracing::warn!(
-                    slot = %config.slot,
-                    holder_pid = %holder_pid,
-                    holder = %holder_name,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "slot is active in another process; standing by"
-                );
+                // A standby waits here for as long as the active instance lives: say so once
+                // at info, then only at debug.
+                if announced {
+                    tracing::debug!(
+                        slot = %config.slot,
+                        holder_pid = %holder_pid,
+                        holder = %holder_name,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "slot is still active in another process; standing by"
+                    );
+                } else {
+                    tracing::info!(
+                        slot = %config.slot,
+                        holder_pid = %holder_pid,
+                        holder = %holder_name,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "slot is active in another process; standing by (retrying quietly until it is free)"
+                    );
+                    announced = true;
+                }
                 tokio::time::sleep(delay).await;
             }
             // PostgreSQL 15: "can no longer get changes from replication slot" once

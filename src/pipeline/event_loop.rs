@@ -32,9 +32,14 @@ use crate::watermark::AckWatermark;
 
 /// Frames handled per loop turn before confirms and timers get another look.
 const FRAME_BATCH: usize = 2048;
-/// A read of fewer bytes than this, while publishes are unconfirmed, delays the next one by
-/// `RunConfig::read_coalesce`.
+/// A read of fewer bytes than this, while at least [`COALESCE_MIN_UNCONFIRMED`] publishes
+/// are unconfirmed, delays the next one by `RunConfig::read_coalesce`.
 const COALESCE_BELOW_BYTES: usize = 64 * 1024;
+/// Unconfirmed publishes from which small reads are coalesced. What is unconfirmed is about
+/// the rate times the broker's confirm latency (~1 ms): at low rates fewer than this are in
+/// flight and every message is read and published at once (latency first); at higher rates
+/// one read per interval covers many transactions (CPU first).
+const COALESCE_MIN_UNCONFIRMED: usize = 4;
 /// Retry delay bounds for a nacked message (doubling from the minimum).
 const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
 const NACK_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -270,14 +275,16 @@ impl Core {
                     match read {
                         Ok(n) => {
                             buffered = true;
-                            // A small read while publishes are unconfirmed means a steady
-                            // trickle: take the next read a little later, in one piece (the
-                            // confirms take about that long anyway). With nothing in flight
+                            // A small read while several publishes are unconfirmed means a
+                            // steady stream: take the next read a little later, in one piece
+                            // (the confirms take about that long anyway). With few in flight
                             // (a low rate) the next message is read and published at once.
                             // Large reads (a backlog, big messages) are never delayed: a
                             // delay per read would cap the stream at about one socket
                             // buffer per interval.
-                            if n < COALESCE_BELOW_BYTES && self.wm.unconfirmed() > 0 {
+                            if n < COALESCE_BELOW_BYTES
+                                && self.wm.unconfirmed() >= COALESCE_MIN_UNCONFIRMED as u64
+                            {
                                 self.next_read_at = Instant::now() + self.config.read_coalesce;
                             }
                         }
@@ -423,7 +430,10 @@ impl Core {
                         let delay = (NACK_RETRY_MIN
                             * 2u32.saturating_pow(m.attempts.saturating_sub(1)))
                         .min(NACK_RETRY_MAX);
-                        tracing::warn!(lsn = %m.lsn, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
+                        let message_id = envelope::decode(m.content.clone())
+                            .map(|e| e.message_id)
+                            .unwrap_or_default();
+                        tracing::warn!(lsn = %m.lsn, message_id = %message_id, attempt = m.attempts, retry_in_ms = delay.as_millis() as u64, "message nacked by the broker; retrying");
                         self.in_flight.retry_at(seq, Instant::now() + delay);
                     }
                 }
@@ -432,8 +442,8 @@ impl Core {
                     reply_text,
                 } => {
                     self.telemetry.returned();
-                    let topic = envelope::decode(m.content.clone())
-                        .map(|e| e.topic)
+                    let (topic, message_id) = envelope::decode(m.content.clone())
+                        .map(|e| (e.topic, e.message_id))
                         .unwrap_or_default();
                     let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for routing key {topic:?}", self.config.exchange);
                     m.first_error.get_or_insert_with(|| error.clone());
@@ -446,6 +456,7 @@ impl Core {
                                 .min(BLOCK_RETRY_MAX);
                             tracing::error!(
                                 lsn = %m.lsn,
+                                message_id = %message_id,
                                 attempt = m.attempts,
                                 retry_in_ms = delay.as_millis() as u64,
                                 error = %error,

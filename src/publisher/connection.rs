@@ -213,11 +213,13 @@ pub async fn open(
     match hs.method().await {
         Ok((CHANNEL, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)))) => {}
         Ok((_, AMQPClass::Channel(channel::AMQPMethod::Close(close)))) => {
+            let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+            let _ = hs.send(CHANNEL, ok).await;
             return Err(Error::Declare {
                 exchange: exchange_name.to_owned(),
                 reply_code: close.reply_code,
                 reply_text: close.reply_text.as_str().to_owned(),
-            })
+            });
         }
         Ok((_, other)) => return Err(hs.unexpected("exchange.declare-ok", &other)),
         Err(e) => return Err(e),
@@ -346,6 +348,11 @@ impl Handshake<'_> {
             match frame {
                 AMQPFrame::Heartbeat => continue,
                 AMQPFrame::Method(_, AMQPClass::Connection(connection::AMQPMethod::Close(c))) => {
+                    // The spec asks for close-ok; best effort, the error is what matters.
+                    let ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                        connection::CloseOk {},
+                    ));
+                    let _ = self.send(0, ok).await;
                     return Err(Error::refused_or_closed(
                         self.url,
                         c.reply_code,

@@ -501,7 +501,12 @@ impl<T> Publisher<T> {
                 reads += 1;
                 match self.poll_read(cx) {
                     Poll::Ready(true) => {}
-                    Poll::Ready(false) => return,
+                    Poll::Ready(false) => {
+                        // The broker closed the channel or connection: its close-ok (queued
+                        // by handle_frame) goes out, best effort, before we give up.
+                        self.poll_write(cx);
+                        return;
+                    }
                     Poll::Pending => break,
                 }
             }
