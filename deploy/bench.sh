@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/stack.sh install
-cargo build --release --bin pgoutbox
-cargo build --release --example bench
+# One cargo invocation for both: built apart, the binary alone and the example (with the
+# dev-dependencies) unify features differently, and each build recompiles the library.
+cargo build --release --bin pgoutbox --example bench
 PGOUTBOX_BENCH_SKIP_BUILD=1 exec target/release/examples/bench "$@"

@@ -69,8 +69,11 @@ type R<T> = Result<T, String>;
 
 /// pgoutbox's default `--max-in-flight` (the window it runs with here).
 const PGOUTBOX_WINDOW: usize = 10_000;
-/// Windows tried for the broker ceiling; the best one counts.
+/// Windows tried for the broker ceiling with the bare lapin publisher; the best one counts.
 const BROKER_WINDOWS: [usize; 2] = [10_000, 1_000];
+/// The window of the bare publisher on pgoutbox's own connection (its best on these
+/// machines, and pgoutbox's default).
+const OWN_PUBLISHER_WINDOW: usize = 10_000;
 /// The broker ceiling publishes at most this many messages (its rate is flat well before;
 /// FACTS.md's per-shape figures were measured on 100,000).
 const BROKER_CAP: u64 = 100_000;
@@ -640,6 +643,8 @@ fn props(i: u64, shape: Shape) -> BasicProperties {
 
 #[derive(Debug, Clone, Serialize)]
 struct BrokerRun {
+    /// The bare publisher: `lapin`, or `pgoutbox` (pgoutbox::publisher::Publisher).
+    publisher: &'static str,
     shape: Shape,
     window: usize,
     n: u64,
@@ -754,6 +759,112 @@ async fn broker_ceiling(
     let _ = conn.close(200, "bench done".into()).await;
     let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
     Ok(BrokerRun {
+        publisher: "lapin",
+        shape,
+        window,
+        n,
+        elapsed_s: elapsed,
+        msgs_per_s: n as f64 / elapsed,
+        client_cpu_us_per_msg: per(c0, c1),
+        rabbit_cpu_us_per_msg: per(r0, r1),
+    })
+}
+
+/// A bare publisher on pgoutbox's own AMQP connection (`pgoutbox::publisher::Publisher`):
+/// the same messages as [`broker_ceiling`], at most `window` unsettled, refilled after every
+/// batch of outcomes.
+async fn broker_ceiling_own(
+    stack: &Stack,
+    tag: &str,
+    n: u64,
+    size: usize,
+    window: usize,
+    shape: Shape,
+    tck: f64,
+) -> R<BrokerRun> {
+    use pgoutbox::publisher::{
+        MatchKey, OutboundMessage, PublishOutcome, Publisher, PublisherConfig,
+    };
+    let what = format!(
+        "broker ceiling (own publisher) {tag} {} W={window}",
+        shape.name()
+    );
+    let admin = amqp(stack.get("PGOUTBOX_AMQP_URL"), &what).await?;
+    let ch = admin
+        .create_channel()
+        .await
+        .map_err(|e| format!("{what}: channel: {e}"))?;
+    let exchange = format!("bench-ceil-own-{tag}-{}-w{window}", shape.name());
+    let queue = exchange.clone();
+    declare_bound_queue(&ch, &exchange, &queue)
+        .await
+        .map_err(|e| format!("{what}: {e}"))?;
+    let config = PublisherConfig {
+        amqp_url: stack.get("PGOUTBOX_AMQP_URL").to_string(),
+        exchange: exchange.clone(),
+        connection_name: format!("bench ceiling {tag}"),
+        signals: Default::default(),
+    };
+    let mut publisher: Publisher<u64> = Publisher::connect(&config)
+        .await
+        .map_err(|e| format!("{what}: connect: {e}"))?;
+    let payload = bytes::Bytes::from(vec![b'x'; size]);
+    let rk: ShortString = "bench.ceiling".into();
+    let rpid = stack.rabbit_pid().map(|p| p.to_string());
+    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, tck));
+    let c0 = cpu_secs("self", tck);
+    let t0 = Instant::now();
+    let (mut sent, mut settled) = (0u64, 0u64);
+    while settled < n {
+        while sent < n && sent - settled < window as u64 {
+            let properties = props(sent, shape);
+            let match_key = match shape {
+                // The same LSN props() put into x-pgoutbox-lsn.
+                Shape::Full => MatchKey::Lsn(pgoutbox::lsn::Lsn(0x1000_0000 + sent * 400)),
+                Shape::Minimal => MatchKey::MessageId(
+                    properties
+                        .message_id()
+                        .clone()
+                        .ok_or(format!("{what}: no message_id"))?,
+                ),
+            };
+            publisher
+                .publish(OutboundMessage {
+                    tag: sent,
+                    routing_key: rk.clone(),
+                    body: payload.clone(),
+                    properties,
+                    match_key,
+                })
+                .map_err(|e| format!("{what}: publish: {e}"))?;
+            sent += 1;
+        }
+        let outcomes = publisher
+            .recv_outcomes()
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        for (i, outcome) in &outcomes {
+            if *outcome != PublishOutcome::Routed {
+                return Err(format!("{what}: message {i}: {outcome}"));
+            }
+        }
+        settled += outcomes.len() as u64;
+    }
+    let elapsed = secs(t0.elapsed());
+    let c1 = cpu_secs("self", tck);
+    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, tck));
+    publisher.close().await;
+    let depth = queue_depth(&ch, &queue).await?;
+    if depth != n {
+        return Err(format!("{what}: queue holds {depth}, expected {n}"));
+    }
+    delete_queue(&ch, &exchange, &queue)
+        .await
+        .map_err(|e| format!("{what}: {e}"))?;
+    let _ = admin.close(200, "bench done".into()).await;
+    let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
+    Ok(BrokerRun {
+        publisher: "pgoutbox",
         shape,
         window,
         n,
@@ -1226,6 +1337,8 @@ struct DrainRun {
     ceiling_shape: Shape,
     broker_msgs_per_s: f64,
     broker_best_window: usize,
+    /// The bare publisher of the best broker run: lapin or pgoutbox.
+    broker_best_publisher: String,
     ceiling_msgs_per_s: f64,
     ceiling_is: String,
     ratio: f64,
@@ -1564,17 +1677,25 @@ async fn drain_case(
         }
     }
     let mut broker = Vec::new();
+    let m = n.min(BROKER_CAP);
     for shape in shapes {
         for w in BROKER_WINDOWS {
-            let b = broker_ceiling(&ctx.stack, &tag, n.min(BROKER_CAP), size, w, shape, ctx.tck)
-                .await?;
+            let b = broker_ceiling(&ctx.stack, &tag, m, size, w, shape, ctx.tck).await?;
             eprintln!(
-                "bench: [{tag}] broker {} W={w}: {:.0} msg/s",
+                "bench: [{tag}] broker {} lapin W={w}: {:.0} msg/s",
                 shape.name(),
                 b.msgs_per_s
             );
             broker.push(b);
         }
+        let w = OWN_PUBLISHER_WINDOW;
+        let b = broker_ceiling_own(&ctx.stack, &tag, m, size, w, shape, ctx.tck).await?;
+        eprintln!(
+            "bench: [{tag}] broker {} own publisher W={w}: {:.0} msg/s",
+            shape.name(),
+            b.msgs_per_s
+        );
+        broker.push(b);
     }
     let case = CaseRun {
         scenario: scenario.to_string(),
@@ -1635,6 +1756,7 @@ async fn drain_case(
             ceiling_shape,
             broker_msgs_per_s: best.msgs_per_s,
             broker_best_window: best.window,
+            broker_best_publisher: best.publisher.to_string(),
             ceiling_msgs_per_s: ceiling,
             ceiling_is: ceiling_is.to_string(),
             ratio: rate / ceiling,
@@ -2193,7 +2315,7 @@ fn opt_vals(runs: &[&DrainRun], f: impl Fn(&DrainRun) -> Option<f64>) -> String 
 fn table(drains: &[DrainRun]) -> String {
     let mut out = String::new();
     out.push_str(
-        "| scenario | N × size | relay | sent | msg/s | MB/s | decode ceiling msg/s | broker ceiling msg/s (shape, best W) | ratio | CPU µs/msg | CPU / wall | peak RSS MB | walsender µs/msg | RabbitMQ µs/msg |\n\
+        "| scenario | N × size | relay | sent | msg/s | MB/s | decode ceiling msg/s | broker ceiling msg/s (shape, best publisher and W) | ratio | CPU µs/msg | CPU / wall | peak RSS MB | walsender µs/msg | RabbitMQ µs/msg |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut keys: Vec<(String, usize, String)> = Vec::new();
@@ -2216,8 +2338,9 @@ fn table(drains: &[DrainRun]) -> String {
                 sent.push(&r.observed_shape);
             }
             ceiling.push(format!(
-                "{} W {}",
+                "{}, {} W {}",
                 r.ceiling_shape.name(),
+                r.broker_best_publisher,
                 r.broker_best_window
             ));
         }
@@ -2296,25 +2419,25 @@ fn metrics_table(drains: &[DrainRun]) -> String {
 
 fn broker_table(cases: &[CaseRun]) -> String {
     let mut out = String::from(
-        "| scenario | size | shape | window | broker msg/s | bench client CPU µs/msg | RabbitMQ CPU µs/msg |\n|---|---|---|---|---|---|---|\n",
+        "| scenario | size | shape | bare publisher | window | broker msg/s | bench client CPU µs/msg | RabbitMQ CPU µs/msg |\n|---|---|---|---|---|---|---|---|\n",
     );
-    let mut keys: Vec<(String, usize, Shape, usize)> = Vec::new();
+    let mut keys: Vec<(String, usize, Shape, &str, usize)> = Vec::new();
     for c in cases {
         for b in &c.broker {
-            let k = (c.scenario.clone(), c.size, b.shape, b.window);
+            let k = (c.scenario.clone(), c.size, b.shape, b.publisher, b.window);
             if !keys.contains(&k) {
                 keys.push(k);
             }
         }
     }
-    for (sc, size, shape, w) in keys {
+    for (sc, size, shape, publisher, w) in keys {
         let bs: Vec<&BrokerRun> = cases
             .iter()
             .filter(|c| c.scenario == sc && c.size == size)
             .flat_map(|c| {
                 c.broker
                     .iter()
-                    .filter(|b| b.shape == shape && b.window == w)
+                    .filter(|b| b.shape == shape && b.publisher == publisher && b.window == w)
             })
             .collect();
         let f = |g: &dyn Fn(&BrokerRun) -> Option<f64>, p: usize| {
@@ -2327,7 +2450,7 @@ fn broker_table(cases: &[CaseRun]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {sc} | {size} B | {} | {w} | {} | {} | {} |",
+            "| {sc} | {size} B | {} | {publisher} | {w} | {} | {} | {} |",
             shape.name(),
             f(&|b| Some(b.msgs_per_s), 0),
             f(&|b| b.client_cpu_us_per_msg, 1),
@@ -2698,7 +2821,8 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
          Values: median [min–max] over runs. sent = the shape of a message taken from the \
          relay's queue (full: our headers, content type, timestamp; minimal: message_id only). \
          ratio = msg/s ÷ min(decode, broker ceiling of the shape sent) per run. Broker ceiling: \
-         bare lapin publisher, best of W={:?}, on min(N, {BROKER_CAP}) messages of that shape. \
+         the best of a bare lapin publisher at W={:?} and a bare publisher on pgoutbox's own \
+         connection at W={OWN_PUBLISHER_WINDOW}, on min(N, {BROKER_CAP}) messages of that shape. \
          Decode ceiling: pg_recvlogical on a twin slot. CPU / wall: the relay's CPU seconds ÷ \
          drain seconds (1.0 = one core busy).{}\n",
         pg_settings.join(", "),
