@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The pgoutbox benchmark, one command:
 #
-#   bash deploy/bench.sh [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]
+#   bash deploy/bench.sh [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate R1,R2,...]
 #
 # Installs postgresql + rabbitmq-server if missing (deploy/stack.sh install), builds the
 # release binary and the bench, then runs examples/bench.rs, which starts its own throwaway
 # stack under /tmp, prints a Markdown table and writes target/bench/results-<timestamp>.json.
-# Full mode takes about 11 minutes on 2 cores; --quick about 2-3 minutes.
+# When node and npm are installed, the Node relay of ../shared/peers/node (or
+# $PGOUTBOX_BENCH_NODE_PEER) runs next to pgoutbox: copied to target/peer-node, `npm ci` there
+# when its package-lock.json changed; without node its rows are skipped with a note.
+# Full mode takes about 15 minutes on 2 cores; --quick about 3 (CI runs --quick).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/stack.sh install
-cargo build --release --bin pgoutbox
-cargo build --release --example bench
+# One cargo invocation for both: built apart, the binary alone and the example (with the
+# dev-dependencies) unify features differently, and each build recompiles the library.
+cargo build --release --bin pgoutbox --example bench
 PGOUTBOX_BENCH_SKIP_BUILD=1 exec target/release/examples/bench "$@"

@@ -4,7 +4,7 @@
 #   bash deploy/fuzz.sh --smoke                  # each target about 30 s (what .ci/run does)
 #   bash deploy/fuzz.sh [SECONDS] [TARGET...]    # each target SECONDS (default 600)
 #
-# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup. cargo-fuzz needs a
+# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup, amqp_frames. cargo-fuzz needs a
 # nightly toolchain: without one this prints that it skipped and why, and exits 0. It installs
 # cargo-fuzz from crates.io when missing. Each target runs on a scratch corpus in
 # fuzz/corpus/<target>/ (not committed) seeded from the committed fuzz/seeds/<target>/; a
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_TARGETS=(pgoutput copy_data envelope startup)
+ALL_TARGETS=(pgoutput copy_data envelope startup amqp_frames)
 seconds=600
 targets=()
 for arg in "$@"; do

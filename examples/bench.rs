@@ -1,26 +1,46 @@
-//! The pgoutbox benchmark: throughput, ceilings and latency on a throwaway local stack.
+//! The pgoutbox benchmark: throughput, ceilings, peers and latency on a throwaway local stack.
 //!
 //! ```text
-//! cargo run --release --example bench -- [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]
+//! cargo run --release --example bench -- [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate R1,R2,...]
 //! bash deploy/bench.sh [same arguments]        # installs packages, builds, runs this
 //! ```
 //!
 //! It starts its own PostgreSQL + RabbitMQ with `deploy/stack.sh start` (stopped again on exit,
 //! error or ctrl-c), builds `target/release/pgoutbox`, and measures:
 //!
-//! 1. backlog drain, 1,000,000 x 256 B in transactions of 1,000 (quick: 20,000);
+//! 1. backlog drain, 300,000 x 256 B in transactions of 1,000 (quick: 20,000);
 //! 2. backlog drain, 100,000 x 256 B, one message per transaction (quick: 10,000);
 //! 3. a size sweep, 64 B / 1 KiB / 16 KiB / 256 KiB, about the same bytes per size;
-//! 4. steady-state latency (consumer receive time minus the `x-pgoutbox-commit-time-us`
-//!    header) with producers at half the scenario-2 rate (quick: 2,000 msg/s).
+//! 4. steady-state latency with 4 paced producers (synchronous commit) at several rates:
+//!    1,000 msg/s (the low-rate row), 2,000, 4,000 and half the scenario-2 drain rate (quick:
+//!    1,000 only). Latency is the consumer's receive time minus the time the producer's commit
+//!    returned, matched by message id (pgoutbox) or message LSN (the Node relay); for pgoutbox
+//!    also from our `x-pgoutbox-commit-time-us` header (full shape) and from its own
+//!    `/metrics` histogram `pgoutbox_confirm_latency_seconds` (commit to broker confirm, scraped
+//!    before and after, differenced, quantiles interpolated within buckets).
 //!
-//! For every drain it also measures, in the same run and on the same machine, the **decode
+//! Scenarios 1 and 2 write one backlog and drain it once per relay, each on its own slot
+//! (created with the others before the backlog) and its own exchange and queue:
+//! pgoutbox with `--publish-properties full` and `minimal` (passed as the environment variable
+//! `PGOUTBOX_PUBLISH_PROPERTIES`, harmless to a binary without the option: the row then says
+//! which shape really arrived), in scenario 1 also pgoutbox with `--http-addr off` next to the
+//! metrics-on drain (CPU per message on vs off), and the **Node relay** of
+//! `../shared/peers/node` when `node` and `npm` are installed (copied to `target/peer-node`,
+//! `npm ci` there when its lock file changed; skipped with a note otherwise). The order of the
+//! drains is reversed on every other run.
+//!
+//! For every backlog it also measures, in the same run and on the same machine, the **decode
 //! ceiling** (`pg_recvlogical` on a twin slot created together with pgoutbox's, before the
-//! backlog) and the **broker ceiling** (a bare pipelined lapin publisher with confirms at
-//! windows 10,000 and 1,000; the best counts). ratio = pgoutbox msg/s / min(ceilings).
+//! backlog) and the **broker ceiling** for each message shape drained (a bare pipelined lapin
+//! publisher with confirms at windows 10,000 and 1,000; the best counts): the **full** shape is
+//! what pgoutbox sends by default (persistent, mandatory, message_id, content_type, timestamp,
+//! headers `x-pgoutbox-lsn` and `x-pgoutbox-commit-lsn` as `X/Y` text and
+//! `x-pgoutbox-commit-time-us` as i64), the **minimal** shape only delivery_mode 2,
+//! message_id, mandatory and the routing key (what the Node relay sends, too).
+//! ratio = msg/s / min(decode ceiling, broker ceiling of the shape the row sent).
 //! Scenarios 1-3 are repeated `--runs` times (default 3, quick 1) and reported as median
 //! [min-max]. A Markdown table goes to stdout, raw figures to
-//! `target/bench/results-<timestamp>.json`, pgoutbox logs to `target/bench/`.
+//! `target/bench/results-<timestamp>.json`, relay logs to `target/bench/`.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -32,7 +52,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -49,10 +69,14 @@ type R<T> = Result<T, String>;
 
 /// pgoutbox's default `--max-in-flight` (the window it runs with here).
 const PGOUTBOX_WINDOW: usize = 10_000;
-/// Windows tried for the broker ceiling; the best one counts.
+/// Windows tried for the broker ceiling with the bare lapin publisher; the best one counts.
 const BROKER_WINDOWS: [usize; 2] = [10_000, 1_000];
-/// The broker ceiling publishes at most this many messages (its rate is flat well before).
-const BROKER_CAP: u64 = 200_000;
+/// The window of the bare publisher on pgoutbox's own connection (its best on these
+/// machines, and pgoutbox's default).
+const OWN_PUBLISHER_WINDOW: usize = 10_000;
+/// The broker ceiling publishes at most this many messages (its rate is flat well before;
+/// FACTS.md's per-shape figures were measured on 100,000).
+const BROKER_CAP: u64 = 100_000;
 /// Publish futures first-polled together by the bare publisher.
 const PIPELINE: usize = 128;
 /// Parallel producer connections that write a backlog.
@@ -61,6 +85,15 @@ const EMIT_CONNECTIONS: u64 = 2;
 const LATENCY_PRODUCERS: usize = 4;
 /// `synchronous_commit` of the steady-state producers (see [`latency_case`]).
 const PRODUCER_SYNC_COMMIT: &str = "on";
+/// Steady-state rates always tried (msg/s), below half the scenario-2 drain rate, which is
+/// the last row; 1,000 is the low-rate row.
+const LATENCY_RATES: [f64; 3] = [1_000.0, 2_000.0, 4_000.0];
+/// The rate of `--quick`'s one steady-state row (msg/s): the low-rate row.
+const QUICK_LATENCY_RATE: f64 = 1_000.0;
+/// Where the Node relay peer is copied and installed, under the repository.
+const NODE_PEER_DIR: &str = "target/peer-node";
+/// The logical-message prefix of `sql/outbox.sql` (the Node relay filters on it).
+const MESSAGE_PREFIX: &str = "pgoutbox";
 const SLOT: &str = "pgoutbox_bench";
 const TWIN: &str = "pgoutbox_bench_twin";
 const PUBLICATION: &str = "pgoutbox_bench";
@@ -108,15 +141,16 @@ struct Args {
     quick: bool,
     runs: u32,
     scenarios: Vec<u32>,
-    /// Scenario 4's producer rate (msg/s) instead of half the scenario-2 median.
-    s4_rate: Option<f64>,
+    /// Scenario 4's producer rates (msg/s) instead of 1,000 / 2,000 / 4,000 / half the
+    /// scenario-2 median.
+    s4_rates: Option<Vec<f64>>,
 }
 
 fn parse_args() -> R<Args> {
     let mut quick = false;
     let mut runs = None;
     let mut scenarios = vec![1, 2, 3, 4];
-    let mut s4_rate = None;
+    let mut s4_rates = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -139,18 +173,27 @@ fn parse_args() -> R<Args> {
                     .collect::<R<Vec<_>>>()?;
             }
             "--s4-rate" => {
-                let v = it.next().ok_or("--s4-rate needs messages per second")?;
-                s4_rate = Some(
-                    v.parse::<f64>()
-                        .ok()
-                        .filter(|r| *r > 0.0)
-                        .ok_or(format!("--s4-rate {v}: expected a positive number"))?,
+                let v = it
+                    .next()
+                    .ok_or("--s4-rate needs messages per second, e.g. 4000 or 1000,3000")?;
+                s4_rates = Some(
+                    v.split(',')
+                        .map(|r| {
+                            r.trim()
+                                .parse::<f64>()
+                                .ok()
+                                .filter(|r| *r > 0.0)
+                                .ok_or(format!(
+                                    "--s4-rate {v}: expected positive numbers separated by commas"
+                                ))
+                        })
+                        .collect::<R<Vec<f64>>>()?,
                 );
             }
             "-h" | "--help" => {
                 println!(
-                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S]\n\
-                     full: ~11 min on 2 cores; --quick: ~2-3 min (1 run, small counts)"
+                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S[,...]]\n\
+                     full: ~15 min on 2 cores; --quick: ~3 min (1 run, small counts, one steady rate)"
                 );
                 std::process::exit(0);
             }
@@ -162,7 +205,7 @@ fn parse_args() -> R<Args> {
         quick,
         runs,
         scenarios,
-        s4_rate,
+        s4_rates,
     })
 }
 
@@ -185,11 +228,11 @@ fn sizes(quick: bool) -> Sizes {
         }
     } else {
         Sizes {
-            s1_n: 1_000_000,
+            s1_n: 300_000,
             s2_n: 100_000,
             s3_bytes: 32 << 20,
             s3_min_count: 512,
-            s4_secs: 30,
+            s4_secs: 15,
         }
     }
 }
@@ -548,7 +591,34 @@ async fn queue_depth(ch: &Channel, queue: &str) -> R<u64> {
     Ok(u64::from(q.message_count()))
 }
 
-fn props(i: u64) -> BasicProperties {
+/// What a message carries besides its body and routing key (`--publish-properties`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Shape {
+    /// pgoutbox's default: persistent, mandatory, message_id, content_type, timestamp and
+    /// the headers `x-pgoutbox-lsn`, `x-pgoutbox-commit-lsn` (`X/Y` text) and
+    /// `x-pgoutbox-commit-time-us` (i64).
+    Full,
+    /// delivery_mode 2, message_id, mandatory and the routing key only.
+    Minimal,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Full => "full",
+            Shape::Minimal => "minimal",
+        }
+    }
+}
+
+/// The properties of the bare publisher's message number `i` in `shape`.
+fn props(i: u64, shape: Shape) -> BasicProperties {
+    if shape == Shape::Minimal {
+        return BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(uuid::Uuid::new_v4().to_string().into());
+    }
     // The same shape as what pgoutbox publishes: id, type, persistent, timestamp, 3 headers.
     let mut h = FieldTable::default();
     h.insert(
@@ -573,6 +643,9 @@ fn props(i: u64) -> BasicProperties {
 
 #[derive(Debug, Clone, Serialize)]
 struct BrokerRun {
+    /// The bare publisher: `lapin`, or `pgoutbox` (pgoutbox::publisher::Publisher).
+    publisher: &'static str,
+    shape: Shape,
     window: usize,
     n: u64,
     elapsed_s: f64,
@@ -582,23 +655,25 @@ struct BrokerRun {
 }
 
 /// A bare lapin publisher: persistent, mandatory, confirms on, `window` unconfirmed at most,
-/// [`PIPELINE`] publish futures polled together, confirms awaited on another task.
+/// [`PIPELINE`] publish futures polled together, confirms awaited on another task; messages
+/// of `shape`.
 async fn broker_ceiling(
     stack: &Stack,
     tag: &str,
     n: u64,
     size: usize,
     window: usize,
+    shape: Shape,
     tck: f64,
 ) -> R<BrokerRun> {
-    let what = format!("broker ceiling {tag} W={window}");
+    let what = format!("broker ceiling {tag} {} W={window}", shape.name());
     let conn = amqp(stack.get("PGOUTBOX_AMQP_URL"), &what).await?;
     let ch = conn
         .create_channel()
         .await
         .map_err(|e| format!("{what}: channel: {e}"))?;
-    let exchange = format!("bench-ceil-{tag}-w{window}");
-    let queue = format!("bench-ceil-{tag}-w{window}");
+    let exchange = format!("bench-ceil-{tag}-{}-w{window}", shape.name());
+    let queue = exchange.clone();
     declare_bound_queue(&ch, &exchange, &queue)
         .await
         .map_err(|e| format!("{what}: {e}"))?;
@@ -648,7 +723,7 @@ async fn broker_ceiling(
                         ..Default::default()
                     },
                     &payload,
-                    props(i + k),
+                    props(i + k, shape),
                 )
             })
             .collect();
@@ -684,6 +759,113 @@ async fn broker_ceiling(
     let _ = conn.close(200, "bench done".into()).await;
     let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
     Ok(BrokerRun {
+        publisher: "lapin",
+        shape,
+        window,
+        n,
+        elapsed_s: elapsed,
+        msgs_per_s: n as f64 / elapsed,
+        client_cpu_us_per_msg: per(c0, c1),
+        rabbit_cpu_us_per_msg: per(r0, r1),
+    })
+}
+
+/// A bare publisher on pgoutbox's own AMQP connection (`pgoutbox::publisher::Publisher`):
+/// the same messages as [`broker_ceiling`], at most `window` unsettled, refilled after every
+/// batch of outcomes.
+async fn broker_ceiling_own(
+    stack: &Stack,
+    tag: &str,
+    n: u64,
+    size: usize,
+    window: usize,
+    shape: Shape,
+    tck: f64,
+) -> R<BrokerRun> {
+    use pgoutbox::publisher::{
+        MatchKey, OutboundMessage, PublishOutcome, Publisher, PublisherConfig,
+    };
+    let what = format!(
+        "broker ceiling (own publisher) {tag} {} W={window}",
+        shape.name()
+    );
+    let admin = amqp(stack.get("PGOUTBOX_AMQP_URL"), &what).await?;
+    let ch = admin
+        .create_channel()
+        .await
+        .map_err(|e| format!("{what}: channel: {e}"))?;
+    let exchange = format!("bench-ceil-own-{tag}-{}-w{window}", shape.name());
+    let queue = exchange.clone();
+    declare_bound_queue(&ch, &exchange, &queue)
+        .await
+        .map_err(|e| format!("{what}: {e}"))?;
+    let config = PublisherConfig {
+        amqp_url: stack.get("PGOUTBOX_AMQP_URL").to_string(),
+        exchange: exchange.clone(),
+        connection_name: format!("bench ceiling {tag}"),
+        signals: Default::default(),
+    };
+    let mut publisher: Publisher<u64> = Publisher::connect(&config)
+        .await
+        .map_err(|e| format!("{what}: connect: {e}"))?;
+    let payload = bytes::Bytes::from(vec![b'x'; size]);
+    let rk: ShortString = "bench.ceiling".into();
+    let rpid = stack.rabbit_pid().map(|p| p.to_string());
+    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, tck));
+    let c0 = cpu_secs("self", tck);
+    let t0 = Instant::now();
+    let (mut sent, mut settled) = (0u64, 0u64);
+    while settled < n {
+        while sent < n && sent - settled < window as u64 {
+            let properties = props(sent, shape);
+            let match_key = match shape {
+                // The same LSN props() put into x-pgoutbox-lsn.
+                Shape::Full => MatchKey::Lsn(pgoutbox::lsn::Lsn(0x1000_0000 + sent * 400)),
+                Shape::Minimal => MatchKey::MessageId(
+                    properties
+                        .message_id()
+                        .clone()
+                        .ok_or(format!("{what}: no message_id"))?,
+                ),
+            };
+            publisher
+                .publish(OutboundMessage {
+                    tag: sent,
+                    routing_key: rk.clone(),
+                    body: payload.clone(),
+                    properties,
+                    match_key,
+                })
+                .map_err(|e| format!("{what}: publish: {e}"))?;
+            sent += 1;
+        }
+        let outcomes = publisher
+            .recv_outcomes()
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        for (i, outcome) in &outcomes {
+            if *outcome != PublishOutcome::Routed {
+                return Err(format!("{what}: message {i}: {outcome}"));
+            }
+        }
+        settled += outcomes.len() as u64;
+    }
+    let elapsed = secs(t0.elapsed());
+    let c1 = cpu_secs("self", tck);
+    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, tck));
+    publisher.close().await;
+    let depth = queue_depth(&ch, &queue).await?;
+    if depth != n {
+        return Err(format!("{what}: queue holds {depth}, expected {n}"));
+    }
+    delete_queue(&ch, &exchange, &queue)
+        .await
+        .map_err(|e| format!("{what}: {e}"))?;
+    let _ = admin.close(200, "bench done".into()).await;
+    let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
+    Ok(BrokerRun {
+        publisher: "pgoutbox",
+        shape,
         window,
         n,
         elapsed_s: elapsed,
@@ -694,40 +876,241 @@ async fn broker_ceiling(
 }
 
 // ---------------------------------------------------------------------------------------
-// pgoutbox and pg_recvlogical as children
+// The relays (pgoutbox, the Node relay) and pg_recvlogical as children
+
+/// Whether pgoutbox serves `/metrics` (`--http-addr`) during a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Metrics {
+    /// On an ephemeral loopback port (so runs never collide on the default address).
+    On,
+    /// `PGOUTBOX_HTTP_ADDR=off`.
+    Off,
+}
+
+/// What a drain or latency row ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Relay {
+    /// `target/release/pgoutbox run` with this `--publish-properties` shape.
+    Pgoutbox(Shape, Metrics),
+    /// `relay.js` of the Node peer (persistent, mandatory, messageId = message LSN).
+    Node,
+}
+
+impl Relay {
+    /// Short and unique: used in database, exchange, queue, slot and log names.
+    fn key(self) -> &'static str {
+        match self {
+            Relay::Pgoutbox(Shape::Full, Metrics::On) => "full",
+            Relay::Pgoutbox(Shape::Full, Metrics::Off) => "fulloff",
+            Relay::Pgoutbox(Shape::Minimal, Metrics::On) => "minimal",
+            Relay::Pgoutbox(Shape::Minimal, Metrics::Off) => "minimaloff",
+            Relay::Node => "node",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Relay::Pgoutbox(Shape::Full, Metrics::On) => "pgoutbox full",
+            Relay::Pgoutbox(Shape::Full, Metrics::Off) => "pgoutbox full, metrics off",
+            Relay::Pgoutbox(Shape::Minimal, Metrics::On) => "pgoutbox minimal",
+            Relay::Pgoutbox(Shape::Minimal, Metrics::Off) => "pgoutbox minimal, metrics off",
+            Relay::Node => "Node relay",
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Relay::Pgoutbox(..) => "pgoutbox",
+            Relay::Node => "node",
+        }
+    }
+
+    /// The shape it is asked to send; the Node relay's is the minimal one.
+    fn shape(self) -> Shape {
+        match self {
+            Relay::Pgoutbox(shape, _) => shape,
+            Relay::Node => Shape::Minimal,
+        }
+    }
+
+    fn metrics(self) -> &'static str {
+        match self {
+            Relay::Pgoutbox(_, Metrics::On) => "on",
+            Relay::Pgoutbox(_, Metrics::Off) => "off",
+            Relay::Node => "n/a",
+        }
+    }
+}
+
+/// The Node relay peer, installed under [`NODE_PEER_DIR`].
+#[derive(Debug, Clone)]
+struct NodePeer {
+    dir: PathBuf,
+    node_version: String,
+}
+
+/// The peer's source folder: `PGOUTBOX_BENCH_NODE_PEER`, else `../shared/peers/node` from
+/// the repository (or from the directory above, for a worktree under `wt/`).
+fn node_peer_source() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PGOUTBOX_BENCH_NODE_PEER") {
+        return Some(PathBuf::from(p));
+    }
+    [
+        root().join("../shared/peers/node"),
+        root().join("../../shared/peers/node"),
+    ]
+    .into_iter()
+    .find(|p| p.join("relay.js").is_file())
+}
+
+/// Copies the Node relay to [`NODE_PEER_DIR`] and runs `npm ci` there unless its
+/// `node_modules` was installed from the same `package-lock.json`. `Err` is the note that
+/// says why the peer is skipped (no node or npm, no source folder, npm failed).
+fn prepare_node_peer(log_dir: &Path) -> Result<NodePeer, String> {
+    let version = |cmd: &str| {
+        Command::new(cmd)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let node_version = version("node").ok_or("node is not installed")?;
+    version("npm").ok_or("npm is not installed")?;
+    let src = node_peer_source().ok_or(
+        "the Node relay's folder was not found (../shared/peers/node; set \
+         PGOUTBOX_BENCH_NODE_PEER)",
+    )?;
+    let dir = root().join(NODE_PEER_DIR);
+    fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let entries = fs::read_dir(&src).map_err(|e| format!("read {}: {e}", src.display()))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_file() {
+            let to = dir.join(entry.file_name());
+            fs::copy(&path, &to)
+                .map_err(|e| format!("copy {} to {}: {e}", path.display(), to.display()))?;
+        }
+    }
+    // `npm ci` once per lock file: the stamp holds the lock file it installed.
+    let lock = fs::read(dir.join("package-lock.json"))
+        .map_err(|e| format!("read {}/package-lock.json: {e}", dir.display()))?;
+    let stamp = dir.join("node_modules/.bench-installed-lock.json");
+    if fs::read(&stamp).ok().as_deref() == Some(&lock[..]) {
+        eprintln!(
+            "bench: Node relay: node_modules in {} is up to date",
+            dir.display()
+        );
+    } else {
+        let log = log_dir.join("npm-ci.log");
+        eprintln!(
+            "bench: Node relay: npm ci in {} (log {})",
+            dir.display(),
+            log.display()
+        );
+        let file = fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+        let st = Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund"])
+            .current_dir(&dir)
+            .stdin(Stdio::null())
+            .stdout(
+                file.try_clone()
+                    .map_err(|e| format!("log file {}: {e}", log.display()))?,
+            )
+            .stderr(file)
+            .status()
+            .map_err(|e| format!("run npm ci: {e}"))?;
+        if !st.success() {
+            return Err(format!("`npm ci` failed ({st}); see {}", log.display()));
+        }
+        fs::write(&stamp, &lock).map_err(|e| format!("write {}: {e}", stamp.display()))?;
+    }
+    Ok(NodePeer { dir, node_version })
+}
+
+/// Whether the release binary has `--publish-properties` (an older one ignores the
+/// environment variable and sends the full shape).
+fn binary_has_publish_properties() -> bool {
+    let out = Command::new(root().join("target/release/pgoutbox"))
+        .args(["run", "--help"])
+        .output();
+    matches!(out, Ok(o) if String::from_utf8_lossy(&o.stdout).contains("--publish-properties"))
+}
+
+/// Where a relay streams from and publishes to.
+struct Target<'a> {
+    db: &'a str,
+    db_url: &'a str,
+    slot: &'a str,
+    exchange: &'a str,
+}
 
 struct Streamer {
     child: Child,
     pid: u32,
     log: PathBuf,
+    program: &'static str,
 }
 
 impl Streamer {
-    fn start(stack: &Stack, db_url: &str, exchange: &str, log: PathBuf) -> R<Streamer> {
-        let bin = root().join("target/release/pgoutbox");
+    /// Starts `relay` on `target`; `node` is required for [`Relay::Node`].
+    fn start(
+        stack: &Stack,
+        relay: Relay,
+        node: Option<&NodePeer>,
+        target: &Target<'_>,
+        log: PathBuf,
+    ) -> R<Streamer> {
         let file = fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
-        let child = Command::new(&bin)
-            .args([
-                "run",
-                "--database-url",
-                db_url,
-                "--amqp-url",
-                stack.get("PGOUTBOX_AMQP_URL"),
-                "--slot",
-                SLOT,
-                "--publication",
-                PUBLICATION,
-                "--exchange",
-                exchange,
-                "--max-in-flight",
-                &PGOUTBOX_WINDOW.to_string(),
-            ])
-            // Metrics on an ephemeral port, so benchmarks never collide on the default
-            // address; PGOUTBOX_HTTP_ADDR (e.g. off) overrides.
-            .args(match std::env::var_os("PGOUTBOX_HTTP_ADDR") {
-                Some(_) => vec![],
-                None => vec!["--http-addr", "127.0.0.1:0"],
-            })
+        let mut cmd = match relay {
+            Relay::Pgoutbox(shape, metrics) => {
+                let mut cmd = Command::new(root().join("target/release/pgoutbox"));
+                cmd.args([
+                    "run",
+                    "--database-url",
+                    target.db_url,
+                    "--amqp-url",
+                    stack.get("PGOUTBOX_AMQP_URL"),
+                    "--slot",
+                    target.slot,
+                    "--publication",
+                    PUBLICATION,
+                    "--exchange",
+                    target.exchange,
+                    "--max-in-flight",
+                    &PGOUTBOX_WINDOW.to_string(),
+                ])
+                // Through the environment: a binary without the option ignores it (the row
+                // then reports the shape that really arrived).
+                .env("PGOUTBOX_PUBLISH_PROPERTIES", shape.name())
+                .env(
+                    "PGOUTBOX_HTTP_ADDR",
+                    match metrics {
+                        Metrics::On => "127.0.0.1:0",
+                        Metrics::Off => "off",
+                    },
+                );
+                cmd
+            }
+            Relay::Node => {
+                let peer = node.ok_or("the Node relay is not installed")?;
+                let mut cmd = Command::new("node");
+                cmd.arg("relay.js")
+                    .current_dir(&peer.dir)
+                    .env("PGHOST", "127.0.0.1")
+                    .env("PGPORT", stack.get("PG_PORT"))
+                    .env("PGUSER", "postgres")
+                    .env("PGDATABASE", target.db)
+                    .env("SLOT", target.slot)
+                    .env("PUBLICATION", PUBLICATION)
+                    .env("PREFIX", MESSAGE_PREFIX)
+                    .env("AMQP_URL", stack.get("PGOUTBOX_AMQP_URL"))
+                    .env("EXCHANGE", target.exchange)
+                    .env("WINDOW", PGOUTBOX_WINDOW.to_string());
+                cmd
+            }
+        };
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(
                 file.try_clone()
@@ -735,10 +1118,35 @@ impl Streamer {
             )
             .stderr(file)
             .spawn()
-            .map_err(|e| format!("start {}: {e}", bin.display()))?;
+            .map_err(|e| format!("start {}: {e}", relay.program()))?;
         let pid = child.id();
         register(pid);
-        Ok(Streamer { child, pid, log })
+        Ok(Streamer {
+            child,
+            pid,
+            log,
+            program: relay.program(),
+        })
+    }
+
+    /// The `/metrics` address pgoutbox logged at startup (waits up to 10 s for the line).
+    async fn http_addr(&self) -> Option<String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            if let Some(at) = text.find("http_addr=") {
+                let rest = &text[at + "http_addr=".len()..];
+                let addr: String = rest
+                    .chars()
+                    .take_while(|c| !c.is_whitespace() && *c != '"')
+                    .collect();
+                return Some(addr);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     fn log_tail(&self) -> String {
@@ -752,7 +1160,8 @@ impl Streamer {
         if let Ok(Some(st)) = self.child.try_wait() {
             unregister(self.pid);
             return Err(format!(
-                "{what}: pgoutbox exited early ({st}); log {}:\n{}",
+                "{what}: {} exited early ({st}); log {}:\n{}",
+                self.program,
                 self.log.display(),
                 self.log_tail()
             ));
@@ -784,7 +1193,8 @@ impl Streamer {
         unregister(self.pid);
         if status != "exit status: 0" {
             eprintln!(
-                "bench: WARNING: pgoutbox did not exit cleanly on SIGTERM: {status}; log {}:\n{}",
+                "bench: WARNING: {} did not exit cleanly on SIGTERM: {status}; log {}:\n{}",
+                self.program,
                 self.log.display(),
                 self.log_tail()
             );
@@ -865,10 +1275,11 @@ async fn decode_ceiling(stack: &Stack, db: &str, endpos: &str, n: u64) -> R<f64>
 }
 
 // ---------------------------------------------------------------------------------------
-// One backlog drain with its ceilings
+// One backlog drained by each relay, with its ceilings
 
+/// One scenario run's backlog and the ceilings measured on it.
 #[derive(Debug, Clone, Serialize)]
-struct DrainRun {
+struct CaseRun {
     scenario: String,
     run: u32,
     n: u64,
@@ -876,6 +1287,42 @@ struct DrainRun {
     per_tx: u64,
     emit_s: f64,
     decode_s: f64,
+    decode_msgs_per_s: f64,
+    /// The relays in the order they drained the backlog.
+    order: Vec<String>,
+    broker: Vec<BrokerRun>,
+    load_before: String,
+}
+
+impl CaseRun {
+    /// The best broker-ceiling run with messages of `shape`.
+    fn best_broker(&self, shape: Shape) -> Option<&BrokerRun> {
+        self.broker
+            .iter()
+            .filter(|b| b.shape == shape)
+            .max_by(|a, b| a.msgs_per_s.total_cmp(&b.msgs_per_s))
+    }
+}
+
+/// One relay's drain of a [`CaseRun`]'s backlog.
+#[derive(Debug, Clone, Serialize)]
+struct DrainRun {
+    scenario: String,
+    run: u32,
+    n: u64,
+    size: usize,
+    per_tx: u64,
+    /// The row's label, e.g. "pgoutbox minimal" or "Node relay".
+    relay: String,
+    program: String,
+    /// The shape it was asked to send (`PGOUTBOX_PUBLISH_PROPERTIES`; the Node relay: minimal).
+    shape: Shape,
+    /// The shape of a message taken from its queue after the drain: full, minimal, other.
+    observed_shape: String,
+    /// pgoutbox's `/metrics` server: on, off (n/a for the Node relay).
+    metrics: String,
+    /// 0-based position in the run's drain order.
+    position: usize,
     decode_msgs_per_s: f64,
     drain_s: f64,
     msgs_per_s: f64,
@@ -886,14 +1333,16 @@ struct DrainRun {
     walsender_cpu_us_per_msg: Option<f64>,
     rabbit_cpu_us_per_msg: Option<f64>,
     window: usize,
-    broker: Vec<BrokerRun>,
+    /// The shape whose broker ceiling the ratio uses: the observed one when it is known.
+    ceiling_shape: Shape,
     broker_msgs_per_s: f64,
     broker_best_window: usize,
+    /// The bare publisher of the best broker run: lapin or pgoutbox.
+    broker_best_publisher: String,
     ceiling_msgs_per_s: f64,
     ceiling_is: String,
     ratio: f64,
     exit_status: String,
-    load_before: String,
 }
 
 struct Ctx {
@@ -903,6 +1352,14 @@ struct Ctx {
     ch: Channel,
     tck: f64,
     log_dir: PathBuf,
+    /// The Node relay, or why it is skipped.
+    node: Result<NodePeer, String>,
+}
+
+impl Ctx {
+    fn node(&self) -> Option<&NodePeer> {
+        self.node.as_ref().ok()
+    }
 }
 
 async fn fresh_db(ctx: &Ctx, db: &str) -> R<String> {
@@ -968,10 +1425,10 @@ async fn drop_db(ctx: &Ctx, db: &str) -> R<()> {
     .await
 }
 
-async fn walsender_pid(c: &tokio_postgres::Client) -> Option<String> {
+async fn walsender_pid(c: &tokio_postgres::Client, slot: &str) -> Option<String> {
     let row = c
         .query_opt(
-            &format!("SELECT active_pid FROM pg_replication_slots WHERE slot_name = '{SLOT}'"),
+            &format!("SELECT active_pid FROM pg_replication_slots WHERE slot_name = '{slot}'"),
             &[],
         )
         .await
@@ -981,6 +1438,133 @@ async fn walsender_pid(c: &tokio_postgres::Client) -> Option<String> {
         .map(|p| p.to_string())
 }
 
+/// The shape of a message as it arrived: `full` (our LSN header and a content type),
+/// `minimal` (no content type, no timestamp, no headers or an empty table: amqplib always
+/// sends one), or `other`.
+fn classify_shape(p: &BasicProperties) -> &'static str {
+    let headers = p.headers().as_ref().map(|h| h.inner());
+    if headers.is_some_and(|h| h.contains_key("x-pgoutbox-lsn")) && p.content_type().is_some() {
+        "full"
+    } else if headers.is_none_or(|h| h.is_empty())
+        && p.content_type().is_none()
+        && p.timestamp().is_none()
+    {
+        "minimal"
+    } else {
+        "other"
+    }
+}
+
+/// Takes one message off `queue` and says which shape it has.
+async fn observe_shape(ch: &Channel, queue: &str) -> String {
+    match ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+    {
+        Ok(Some(m)) => classify_shape(&m.delivery.properties).to_string(),
+        Ok(None) => "none (queue empty)".into(),
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
+/// What one relay's drain measured.
+struct Drained {
+    drain_s: f64,
+    cpu_s: f64,
+    rss_mb: f64,
+    walsender_cpu_s: Option<f64>,
+    rabbit_cpu_s: Option<f64>,
+    observed_shape: String,
+    exit_status: String,
+}
+
+/// Starts `relay` on `target`, waits until `queue` holds `n` messages, and stops it.
+async fn drain_relay(
+    ctx: &Ctx,
+    tag: &str,
+    relay: Relay,
+    target: &Target<'_>,
+    queue: &str,
+    n: u64,
+    c: &tokio_postgres::Client,
+) -> R<Drained> {
+    let rpid = ctx.stack.rabbit_pid().map(|p| p.to_string());
+    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let log = ctx
+        .log_dir
+        .join(format!("{}-{tag}-{}.log", relay.program(), relay.key()));
+    let t0 = Instant::now();
+    let mut streamer = Streamer::start(&ctx.stack, relay, ctx.node(), target, log)?;
+    let limit = Duration::from_secs(120 + n / 2_000);
+    let mut last = (0u64, Instant::now());
+    let drain = loop {
+        let depth = queue_depth(&ctx.ch, queue)
+            .await
+            .map_err(|e| format!("[{tag}] {e}"))?;
+        if depth >= n {
+            break t0.elapsed();
+        }
+        streamer.check_alive(&format!("[{tag}] {} drain", relay.label()))?;
+        if depth != last.0 {
+            last = (depth, Instant::now());
+        }
+        if t0.elapsed() > limit || last.1.elapsed() > Duration::from_secs(60) {
+            let pid = streamer.pid;
+            let tail = streamer.log_tail();
+            let _ = streamer.stop().await;
+            return Err(format!(
+                "[{tag}] {} drain: queue {queue} holds {depth} of {n} after {:?} (no progress \
+                 for {:?}); pid {pid} log:\n{tail}",
+                relay.label(),
+                t0.elapsed(),
+                last.1.elapsed()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let pid = streamer.pid.to_string();
+    let cpu_s = cpu_secs(&pid, ctx.tck).ok_or(format!("[{tag}] read /proc/{pid}/stat"))?;
+    let rss_mb = vm_hwm_mb(streamer.pid).ok_or(format!("[{tag}] read /proc/{pid}/status"))?;
+    let walsender_cpu_s = match walsender_pid(c, target.slot).await {
+        Some(p) => cpu_secs(&p, ctx.tck),
+        None => None,
+    };
+    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let exit_status = streamer.stop().await;
+    let depth = queue_depth(&ctx.ch, queue).await?;
+    if depth != n {
+        eprintln!(
+            "bench: WARNING: [{tag}] {}: queue holds {depth} messages, expected exactly {n}",
+            relay.label()
+        );
+    }
+    let observed_shape = observe_shape(&ctx.ch, queue).await;
+    Ok(Drained {
+        drain_s: secs(drain),
+        cpu_s,
+        rss_mb,
+        walsender_cpu_s,
+        rabbit_cpu_s: match (r0, r1) {
+            (Some(a), Some(b)) => Some(b - a),
+            _ => None,
+        },
+        observed_shape,
+        exit_status,
+    })
+}
+
+/// The slot `relay` streams from in a drain case: pgoutbox full (metrics on) takes the one
+/// `pgoutbox setup` made, the others their own.
+fn slot_of(relay: Relay) -> String {
+    match relay {
+        Relay::Pgoutbox(Shape::Full, Metrics::On) => SLOT.to_string(),
+        other => format!("{SLOT}_{}", other.key()),
+    }
+}
+
+/// Writes one backlog, measures its decode ceiling, drains it with each of `relays` (in
+/// this order) and measures the broker ceiling for each shape they send.
+#[allow(clippy::too_many_arguments)]
 async fn drain_case(
     ctx: &Ctx,
     scenario: &str,
@@ -988,28 +1572,36 @@ async fn drain_case(
     n: u64,
     size: usize,
     per_tx: u64,
-) -> R<DrainRun> {
+    relays: &[Relay],
+) -> R<(CaseRun, Vec<DrainRun>)> {
     let tag = format!("{scenario}_r{run}");
     let db = format!("bench_{tag}");
+    let order: Vec<&str> = relays.iter().map(|r| r.label()).collect();
     eprintln!(
-        "bench: [{tag}] {n} x {size} B, {per_tx} per transaction (load {})",
+        "bench: [{tag}] {n} x {size} B, {per_tx} per transaction; drains: {} (load {})",
+        order.join(", "),
         loadavg()
     );
     let load_before = loadavg();
     let url = fresh_db(ctx, &db).await?;
     let c = pg(&url, &tag).await?;
-    // The twin slot: right after pgoutbox's, before the backlog.
-    sql(
-        &c,
-        &format!("[{tag}] create twin slot"),
-        &format!("SELECT pg_create_logical_replication_slot('{TWIN}', 'pgoutput')"),
-    )
-    .await?;
-    let exchange = format!("bench-{tag}");
-    let queue = format!("bench-{tag}");
-    declare_bound_queue(&ctx.ch, &exchange, &queue)
-        .await
-        .map_err(|e| format!("[{tag}] {e}"))?;
+    // The twin slot and every other relay's slot: right after pgoutbox's, before the backlog.
+    let mut slots = vec![TWIN.to_string()];
+    slots.extend(relays.iter().map(|r| slot_of(*r)).filter(|s| s != SLOT));
+    for slot in &slots {
+        sql(
+            &c,
+            &format!("[{tag}] create slot {slot}"),
+            &format!("SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"),
+        )
+        .await?;
+    }
+    for relay in relays {
+        let name = format!("bench-{tag}-{}", relay.key());
+        declare_bound_queue(&ctx.ch, &name, &name)
+            .await
+            .map_err(|e| format!("[{tag}] {e}"))?;
+    }
 
     let emit_s = emit_backlog(&url, n, size, per_tx, &format!("bench.{scenario}"))
         .await
@@ -1028,83 +1620,84 @@ async fn drain_case(
         &format!("SELECT pg_drop_replication_slot('{TWIN}')"),
     )
     .await?;
-    eprintln!("bench: [{tag}] decode ceiling {decode:.0} msg/s; pgoutbox drain");
+    eprintln!("bench: [{tag}] decode ceiling {decode:.0} msg/s");
 
-    let rpid = ctx.stack.rabbit_pid().map(|p| p.to_string());
-    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
-    let log = ctx.log_dir.join(format!("pgoutbox-{tag}.log"));
-    let t0 = Instant::now();
-    let mut streamer = Streamer::start(&ctx.stack, &url, &exchange, log)?;
-    let limit = Duration::from_secs(120 + n / 2_000);
-    let mut last = (0u64, Instant::now());
-    let drain = loop {
-        let depth = queue_depth(&ctx.ch, &queue)
+    let mut drained = Vec::new();
+    for (position, relay) in relays.iter().enumerate() {
+        let name = format!("bench-{tag}-{}", relay.key());
+        let slot = slot_of(*relay);
+        let target = Target {
+            db: &db,
+            db_url: &url,
+            slot: &slot,
+            exchange: &name,
+        };
+        let result = drain_relay(ctx, &tag, *relay, &target, &name, n, &c).await;
+        delete_queue(&ctx.ch, &name, &name)
             .await
             .map_err(|e| format!("[{tag}] {e}"))?;
-        if depth >= n {
-            break t0.elapsed();
+        // Free the WAL this slot held for the drains still to come.
+        sql(
+            &c,
+            &format!("[{tag}] drop slot {slot}"),
+            &format!(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = '{slot}' AND NOT active"
+            ),
+        )
+        .await?;
+        match result {
+            Ok(d) => {
+                eprintln!(
+                    "bench: [{tag}] {}: {:.0} msg/s ({:.2} s), CPU {:.1} us/msg, sent {}",
+                    relay.label(),
+                    n as f64 / d.drain_s,
+                    d.drain_s,
+                    d.cpu_s * 1e6 / n as f64,
+                    d.observed_shape
+                );
+                drained.push((position, *relay, d));
+            }
+            // A peer that fails is reported, not fatal: the bench is about pgoutbox.
+            Err(e) if *relay == Relay::Node => {
+                eprintln!("bench: WARNING: [{tag}] the Node relay failed, row left out: {e}")
+            }
+            Err(e) => return Err(e),
         }
-        streamer.check_alive(&format!("[{tag}] drain"))?;
-        if depth != last.0 {
-            last = (depth, Instant::now());
-        }
-        if t0.elapsed() > limit || last.1.elapsed() > Duration::from_secs(60) {
-            let pid = streamer.pid;
-            let tail = streamer.log_tail();
-            let _ = streamer.stop().await;
-            return Err(format!(
-                "[{tag}] drain: queue {queue} holds {depth} of {n} after {:?} (no progress for \
-                 {:?}); pgoutbox pid {pid} log:\n{tail}",
-                t0.elapsed(),
-                last.1.elapsed()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let drain_s = secs(drain);
-    let pid = streamer.pid.to_string();
-    let cpu = cpu_secs(&pid, ctx.tck).ok_or(format!("[{tag}] read /proc/{pid}/stat"))?;
-    let rss = vm_hwm_mb(streamer.pid).ok_or(format!("[{tag}] read /proc/{pid}/status"))?;
-    let ws = match walsender_pid(&c).await {
-        Some(p) => cpu_secs(&p, ctx.tck),
-        None => None,
-    };
-    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
-    let exit_status = streamer.stop().await;
-    drop(c);
-    let depth = queue_depth(&ctx.ch, &queue).await?;
-    if depth != n {
-        eprintln!("bench: WARNING: [{tag}] queue holds {depth} messages, expected exactly {n}");
     }
-    delete_queue(&ctx.ch, &exchange, &queue)
-        .await
-        .map_err(|e| format!("[{tag}] {e}"))?;
+    drop(c);
     drop_db(ctx, &db)
         .await
         .map_err(|e| format!("[{tag}] {e}"))?;
-    let rate = n as f64 / drain_s;
-    eprintln!(
-        "bench: [{tag}] pgoutbox {rate:.0} msg/s ({drain_s:.2} s), CPU {:.1} us/msg; broker ceiling",
-        cpu * 1e6 / n as f64
-    );
 
+    let mut shapes: Vec<Shape> = Vec::new();
+    for relay in relays {
+        if !shapes.contains(&relay.shape()) {
+            shapes.push(relay.shape());
+        }
+    }
     let mut broker = Vec::new();
-    for w in BROKER_WINDOWS {
-        let b = broker_ceiling(&ctx.stack, &tag, n.min(BROKER_CAP), size, w, ctx.tck).await?;
-        eprintln!("bench: [{tag}] broker W={w}: {:.0} msg/s", b.msgs_per_s);
+    let m = n.min(BROKER_CAP);
+    for shape in shapes {
+        for w in BROKER_WINDOWS {
+            let b = broker_ceiling(&ctx.stack, &tag, m, size, w, shape, ctx.tck).await?;
+            eprintln!(
+                "bench: [{tag}] broker {} lapin W={w}: {:.0} msg/s",
+                shape.name(),
+                b.msgs_per_s
+            );
+            broker.push(b);
+        }
+        let w = OWN_PUBLISHER_WINDOW;
+        let b = broker_ceiling_own(&ctx.stack, &tag, m, size, w, shape, ctx.tck).await?;
+        eprintln!(
+            "bench: [{tag}] broker {} own publisher W={w}: {:.0} msg/s",
+            shape.name(),
+            b.msgs_per_s
+        );
         broker.push(b);
     }
-    let best = broker
-        .iter()
-        .max_by(|a, b| a.msgs_per_s.total_cmp(&b.msgs_per_s))
-        .cloned()
-        .ok_or("no broker run")?;
-    let (ceiling, ceiling_is) = if decode <= best.msgs_per_s {
-        (decode, "decode")
-    } else {
-        (best.msgs_per_s, "broker")
-    };
-    Ok(DrainRun {
+    let case = CaseRun {
         scenario: scenario.to_string(),
         run,
         n,
@@ -1113,34 +1706,109 @@ async fn drain_case(
         emit_s,
         decode_s,
         decode_msgs_per_s: decode,
-        drain_s,
-        msgs_per_s: rate,
-        mb_per_s: rate * size as f64 / 1e6,
-        cpu_us_per_msg: cpu * 1e6 / n as f64,
-        cpu_share_of_wall: cpu / drain_s,
-        peak_rss_mb: rss,
-        walsender_cpu_us_per_msg: ws.map(|s| s * 1e6 / n as f64),
-        rabbit_cpu_us_per_msg: match (r0, r1) {
-            (Some(a), Some(b)) => Some((b - a) * 1e6 / n as f64),
-            _ => None,
-        },
-        window: PGOUTBOX_WINDOW,
+        order: order.iter().map(|s| s.to_string()).collect(),
         broker,
-        broker_msgs_per_s: best.msgs_per_s,
-        broker_best_window: best.window,
-        ceiling_msgs_per_s: ceiling,
-        ceiling_is: ceiling_is.to_string(),
-        ratio: rate / ceiling,
-        exit_status,
         load_before,
-    })
+    };
+    let mut rows = Vec::new();
+    for (position, relay, d) in drained {
+        let ceiling_shape = match d.observed_shape.as_str() {
+            "full" => Shape::Full,
+            "minimal" => Shape::Minimal,
+            _ => relay.shape(),
+        };
+        // The ceiling of a shape no relay was asked for (an older binary sent full when
+        // asked for minimal) was not measured: fall back to the requested shape's.
+        let best = case
+            .best_broker(ceiling_shape)
+            .map(|b| (ceiling_shape, b))
+            .or_else(|| case.best_broker(relay.shape()).map(|b| (relay.shape(), b)))
+            .ok_or("no broker run")?;
+        let (ceiling_shape, best) = (best.0, best.1.clone());
+        let (ceiling, ceiling_is) = if decode <= best.msgs_per_s {
+            (decode, "decode")
+        } else {
+            (best.msgs_per_s, "broker")
+        };
+        let rate = n as f64 / d.drain_s;
+        rows.push(DrainRun {
+            scenario: scenario.to_string(),
+            run,
+            n,
+            size,
+            per_tx,
+            relay: relay.label().to_string(),
+            program: relay.program().to_string(),
+            shape: relay.shape(),
+            observed_shape: d.observed_shape,
+            metrics: relay.metrics().to_string(),
+            position,
+            decode_msgs_per_s: decode,
+            drain_s: d.drain_s,
+            msgs_per_s: rate,
+            mb_per_s: rate * size as f64 / 1e6,
+            cpu_us_per_msg: d.cpu_s * 1e6 / n as f64,
+            cpu_share_of_wall: d.cpu_s / d.drain_s,
+            peak_rss_mb: d.rss_mb,
+            walsender_cpu_us_per_msg: d.walsender_cpu_s.map(|s| s * 1e6 / n as f64),
+            rabbit_cpu_us_per_msg: d.rabbit_cpu_s.map(|s| s * 1e6 / n as f64),
+            window: PGOUTBOX_WINDOW,
+            ceiling_shape,
+            broker_msgs_per_s: best.msgs_per_s,
+            broker_best_window: best.window,
+            broker_best_publisher: best.publisher.to_string(),
+            ceiling_msgs_per_s: ceiling,
+            ceiling_is: ceiling_is.to_string(),
+            ratio: rate / ceiling,
+            exit_status: d.exit_status,
+        });
+    }
+    Ok((case, rows))
 }
 
 // ---------------------------------------------------------------------------------------
 // Steady-state latency
 
+/// Quantiles of latencies in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+struct Quantiles {
+    count: u64,
+    p50_ms: f64,
+    p95_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+impl Quantiles {
+    fn of(mut us: Vec<i64>) -> Quantiles {
+        us.sort_unstable();
+        Quantiles {
+            count: us.len() as u64,
+            p50_ms: pct(&us, 0.50),
+            p95_ms: pct(&us, 0.95),
+            p99_ms: pct(&us, 0.99),
+            max_ms: us.last().map(|v| *v as f64 / 1000.0).unwrap_or(f64::NAN),
+        }
+    }
+}
+
+/// pgoutbox's own `pgoutbox_confirm_latency_seconds` over one steady-state run: the
+/// scrape after minus the scrape before, quantiles interpolated linearly within a bucket
+/// (as Prometheus's `histogram_quantile` does).
+#[derive(Debug, Clone, Serialize)]
+struct ConfirmHistogram {
+    count: u64,
+    mean_ms: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    /// (upper bound in seconds, observations in this bucket alone) of the difference.
+    buckets: Vec<(f64, u64)>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 struct LatencyRun {
+    /// The row's label ("pgoutbox full", "Node relay").
+    relay: String,
     target_msgs_per_s: f64,
     rate_source: String,
     duration_s: u64,
@@ -1149,10 +1817,17 @@ struct LatencyRun {
     sent: u64,
     received: u64,
     achieved_msgs_per_s: f64,
-    p50_ms: f64,
-    p95_ms: f64,
-    p99_ms: f64,
-    max_ms: f64,
+    /// Consumer receive time minus the producer's commit-return time, matched by
+    /// message_id (pgoutbox) or by message LSN (the Node relay's message_id).
+    from_commit_return: Quantiles,
+    /// Received messages matched to no producer record (left out of the quantiles).
+    unmatched: u64,
+    /// Consumer receive time minus our `x-pgoutbox-commit-time-us` header (the server's
+    /// commit timestamp), when the messages carry it (pgoutbox, full shape).
+    from_commit_header: Option<Quantiles>,
+    /// pgoutbox's commit-to-confirm histogram from `/metrics` (None for the Node relay, or
+    /// when the scrape failed).
+    confirm_histogram: Option<ConfirmHistogram>,
     cpu_us_per_msg: f64,
     peak_rss_mb: f64,
     /// Busy share of all the machine's CPUs while the producers ran (0..1, /proc/stat).
@@ -1164,6 +1839,129 @@ struct LatencyRun {
     /// CPU of the bench process (producer clients and the consumer) per message (µs).
     bench_cpu_us_per_msg: f64,
     exit_status: String,
+}
+
+/// `X/Y` hex (either case, zero-padded or not) as a 64-bit WAL position.
+fn parse_lsn(text: &str) -> Option<u64> {
+    let (hi, lo) = text.trim().split_once('/')?;
+    let hi = u64::from_str_radix(hi, 16).ok()?;
+    let lo = u64::from_str_radix(lo, 16).ok()?;
+    (hi <= u64::from(u32::MAX) && lo <= u64::from(u32::MAX)).then_some((hi << 32) | lo)
+}
+
+/// A plain HTTP/1.1 GET of `http://{addr}/metrics`; the body.
+async fn scrape(addr: &str) -> R<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("scrape {addr}: connect timed out"))?
+            .map_err(|e| format!("scrape {addr}: connect: {e}"))?;
+    sock.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .map_err(|e| format!("scrape {addr}: write: {e}"))?;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut buf))
+        .await
+        .map_err(|_| format!("scrape {addr}: read timed out"))?
+        .map_err(|e| format!("scrape {addr}: read: {e}"))?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or(format!("scrape {addr}: no HTTP header end"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!(
+            "scrape {addr}: {}",
+            head.lines().next().unwrap_or("")
+        ));
+    }
+    Ok(body.to_string())
+}
+
+/// The cumulative buckets (upper bound in seconds, count) and the sum in seconds of the
+/// histogram `name` in a Prometheus text exposition.
+fn histogram(text: &str, name: &str) -> Option<(Vec<(f64, u64)>, f64)> {
+    let bucket = format!("{name}_bucket{{");
+    let mut buckets = Vec::new();
+    let mut sum = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(&bucket) {
+            let le = rest.split("le=\"").nth(1)?.split('"').next()?;
+            let le = match le {
+                "+Inf" => f64::INFINITY,
+                v => v
+                    .parse::<f64>()
+                    .ok()
+                    .map(|v| if v > 1e300 { f64::INFINITY } else { v })?,
+            };
+            let n = rest.rsplit(' ').next()?.trim().parse::<f64>().ok()? as u64;
+            buckets.push((le, n));
+        } else if let Some(rest) = line.strip_prefix(&format!("{name}_sum ")) {
+            sum = rest.trim().parse::<f64>().ok();
+        }
+    }
+    (!buckets.is_empty()).then_some((buckets, sum?))
+}
+
+/// The `q` quantile (0..1) of cumulative `buckets`, in seconds, interpolated within the
+/// bucket it falls in; the lower bound of an open last bucket.
+fn bucket_quantile(buckets: &[(f64, u64)], q: f64) -> f64 {
+    let total = buckets.last().map(|b| b.1).unwrap_or(0);
+    if total == 0 {
+        return f64::NAN;
+    }
+    let rank = q * total as f64;
+    let mut prev = (0.0, 0u64);
+    for &(le, n) in buckets {
+        if n as f64 >= rank {
+            if le.is_infinite() {
+                return prev.0;
+            }
+            let inside = (n - prev.1) as f64;
+            let frac = if inside > 0.0 {
+                (rank - prev.1 as f64) / inside
+            } else {
+                1.0
+            };
+            return prev.0 + (le - prev.0) * frac;
+        }
+        prev = (le, n);
+    }
+    prev.0
+}
+
+/// The histogram of the scrape `after` minus the scrape `before`.
+fn confirm_histogram(before: &str, after: &str) -> Option<ConfirmHistogram> {
+    const NAME: &str = "pgoutbox_confirm_latency_seconds";
+    let (b0, s0) = histogram(before, NAME)?;
+    let (b1, s1) = histogram(after, NAME)?;
+    if b0.len() != b1.len() {
+        return None;
+    }
+    let cumulative: Vec<(f64, u64)> = b1
+        .iter()
+        .zip(&b0)
+        .map(|(a, b)| (a.0, a.1.saturating_sub(b.1)))
+        .collect();
+    let count = cumulative.last().map(|b| b.1).unwrap_or(0);
+    let mut prev = 0;
+    let buckets = cumulative
+        .iter()
+        .map(|&(le, n)| {
+            let own = n.saturating_sub(prev);
+            prev = n;
+            (le, own)
+        })
+        .collect();
+    Some(ConfirmHistogram {
+        count,
+        mean_ms: (s1 - s0) * 1e3 / count.max(1) as f64,
+        p50_ms: bucket_quantile(&cumulative, 0.50) * 1e3,
+        p99_ms: bucket_quantile(&cumulative, 0.99) * 1e3,
+        buckets,
+    })
 }
 
 /// (busy, total) jiffies of all CPUs from the `cpu` line of /proc/stat; idle and iowait
@@ -1189,101 +1987,137 @@ fn pct(sorted: &[i64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)] as f64 / 1000.0
 }
 
-async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<LatencyRun> {
-    let tag = "s4";
-    let db = "bench_s4";
-    eprintln!("bench: [s4] steady state at {rate:.0} msg/s for {dur} s ({rate_source})");
-    let url = fresh_db(ctx, db).await?;
-    let exchange = "bench-s4";
-    let queue = "bench-s4";
-    declare_bound_queue(&ctx.ch, exchange, queue)
+/// What the consumer saw of one message.
+struct Received {
+    message_id: Option<String>,
+    recv_us: i64,
+    header_commit_us: Option<i64>,
+}
+
+/// One steady-state run of `relay` at `rate` msg/s for `dur` seconds.
+async fn latency_case(
+    ctx: &Ctx,
+    relay: Relay,
+    rate: f64,
+    rate_source: &str,
+    dur: u64,
+) -> R<LatencyRun> {
+    let tag = format!("s4_{rate:.0}_{}", relay.key());
+    let db = format!("bench_{tag}");
+    eprintln!(
+        "bench: [{tag}] steady state, {} at {rate:.0} msg/s for {dur} s ({rate_source})",
+        relay.label()
+    );
+    let url = fresh_db(ctx, &db).await?;
+    let exchange = format!("bench-{tag}");
+    let queue = exchange.clone();
+    declare_bound_queue(&ctx.ch, &exchange, &queue)
         .await
         .map_err(|e| format!("[{tag}] {e}"))?;
-    let c = pg(&url, tag).await?;
-    let log = ctx.log_dir.join("pgoutbox-s4.log");
-    let mut streamer = Streamer::start(&ctx.stack, &url, exchange, log)?;
+    let c = pg(&url, &tag).await?;
+    let log = ctx.log_dir.join(format!("{}-{tag}.log", relay.program()));
+    let target = Target {
+        db: &db,
+        db_url: &url,
+        slot: SLOT,
+        exchange: &exchange,
+    };
+    let mut streamer = Streamer::start(&ctx.stack, relay, ctx.node(), &target, log)?;
     // Wait until it holds the slot.
     let t0 = Instant::now();
-    while walsender_pid(&c).await.is_none() {
-        streamer.check_alive("[s4] start")?;
+    while walsender_pid(&c, SLOT).await.is_none() {
+        streamer.check_alive(&format!("[{tag}] start"))?;
         if t0.elapsed() > Duration::from_secs(30) {
             let _ = streamer.stop().await;
-            return Err("[s4] pgoutbox did not take the slot within 30 s".into());
+            return Err(format!(
+                "[{tag}] {} did not take the slot within 30 s",
+                relay.label()
+            ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let http_addr = match relay {
+        Relay::Pgoutbox(_, Metrics::On) => streamer.http_addr().await,
+        _ => None,
+    };
+    let scrape_before = match &http_addr {
+        Some(a) => scrape(a)
+            .await
+            .map_err(|e| eprintln!("bench: WARNING: [{tag}] {e}"))
+            .ok(),
+        None => None,
+    };
 
     // Consumer.
     let cconn = amqp(ctx.stack.get("PGOUTBOX_AMQP_URL"), "[s4] consumer").await?;
     let cch = cconn
         .create_channel()
         .await
-        .map_err(|e| format!("[s4] consumer channel: {e}"))?;
+        .map_err(|e| format!("[{tag}] consumer channel: {e}"))?;
     cch.basic_qos(1000, BasicQosOptions::default())
         .await
-        .map_err(|e| format!("[s4] basic_qos: {e}"))?;
+        .map_err(|e| format!("[{tag}] basic_qos: {e}"))?;
     let mut consumer = cch
         .basic_consume(
-            queue.into(),
+            queue.as_str().into(),
             "bench".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await
-        .map_err(|e| format!("[s4] basic_consume: {e}"))?;
+        .map_err(|e| format!("[{tag}] basic_consume: {e}"))?;
     let (done_tx, mut done_rx) = tokio::sync::watch::channel(u64::MAX);
+    let ctag = tag.clone();
     let consumer_task = tokio::spawn(async move {
-        let mut lat: Vec<i64> = Vec::new();
+        let tag = ctag;
+        let mut got: Vec<Received> = Vec::new();
         let mut since_ack = 0;
         loop {
             let target = *done_rx.borrow();
-            if lat.len() as u64 >= target {
+            if got.len() as u64 >= target {
                 break;
             }
             let next = tokio::select! {
                 d = consumer.next() => d,
                 _ = done_rx.changed() => continue,
                 _ = tokio::time::sleep(Duration::from_secs(30)) => {
-                    return Err(format!("[s4] consumer: nothing for 30 s after {} messages", lat.len()));
+                    return Err(format!("[{tag}] consumer: nothing for 30 s after {} messages", got.len()));
                 }
             };
             let d = match next {
                 Some(Ok(d)) => d,
-                Some(Err(e)) => return Err(format!("[s4] consumer: {e}")),
-                None => return Err("[s4] consumer stream ended".into()),
+                Some(Err(e)) => return Err(format!("[{tag}] consumer: {e}")),
+                None => return Err(format!("[{tag}] consumer stream ended")),
             };
-            let recv = now_us();
-            let commit = d
+            let recv_us = now_us();
+            let header_commit_us = match d
                 .properties
                 .headers()
                 .as_ref()
-                .and_then(|h| h.inner().get("x-pgoutbox-commit-time-us").cloned());
-            match commit {
-                Some(AMQPValue::LongLongInt(t)) => lat.push(recv - t),
-                other => {
-                    return Err(format!(
-                        "[s4] consumer: bad x-pgoutbox-commit-time-us header {other:?}"
-                    ))
-                }
-            }
+                .and_then(|h| h.inner().get("x-pgoutbox-commit-time-us").cloned())
+            {
+                Some(AMQPValue::LongLongInt(t)) => Some(t),
+                _ => None,
+            };
+            got.push(Received {
+                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+                recv_us,
+                header_commit_us,
+            });
             since_ack += 1;
-            if since_ack >= 100 {
+            if since_ack >= 100 || got.len() as u64 >= *done_rx.borrow() {
                 d.acker
                     .ack(BasicAckOptions { multiple: true })
                     .await
-                    .map_err(|e| format!("[s4] ack: {e}"))?;
+                    .map_err(|e| format!("[{tag}] ack: {e}"))?;
                 since_ack = 0;
-            } else if lat.len() as u64 >= *done_rx.borrow() {
-                d.acker
-                    .ack(BasicAckOptions { multiple: true })
-                    .await
-                    .map_err(|e| format!("[s4] ack: {e}"))?;
             }
         }
-        Ok(lat)
+        Ok(got)
     });
 
-    // Producers: one message per transaction, paced per millisecond.
+    // Producers: one message per transaction, paced per millisecond; each records when its
+    // commit returned, keyed by its own message_id and by the message's LSN.
     let per = rate / LATENCY_PRODUCERS as f64;
     let jiffies0 = machine_jiffies();
     let rabbit_pid = ctx.stack.rabbit_pid().map(|p| p.to_string());
@@ -1297,13 +2131,13 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
     let start = Instant::now();
     let end = start + Duration::from_secs(dur);
     let mut tasks = Vec::new();
-    for _ in 0..LATENCY_PRODUCERS {
+    for p in 0..LATENCY_PRODUCERS {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             let c = pg(&url, "[s4] producer").await?;
             // The stack runs with synchronous_commit=off, where a commit reaches the
             // walsender only when the WAL writer flushes (wal_writer_delay, 200 ms): that
-            // would measure the WAL writer, not pgoutbox. Producers commit synchronously.
+            // would measure the WAL writer, not the relay. Producers commit synchronously.
             sql(
                 &c,
                 "[s4] producer",
@@ -1311,33 +2145,49 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
             )
             .await?;
             let st = c
-                .prepare("SELECT outbox.emit_bytes($1::text, $2::bytea)::text")
+                .prepare(
+                    "SELECT outbox.emit_bytes($1::text, $2::bytea, 'application/octet-stream', \
+                     '{}'::jsonb, $3::text)::text",
+                )
                 .await
                 .map_err(|e| format!("[s4] prepare: {}", pg_err(&e)))?;
             let payload = vec![b'x'; 256];
             let topic = "bench.s4";
-            let mut sent = 0u64;
+            // (message_id, message LSN, commit-return time in µs)
+            let mut sent: Vec<(String, Option<u64>, i64)> = Vec::new();
             loop {
                 let now = Instant::now();
                 if now >= end {
                     break;
                 }
-                let due = (secs(now - start) * per) as u64;
-                while sent < due {
-                    c.query_one(&st, &[&topic, &payload])
+                let due = (secs(now - start) * per) as usize;
+                while sent.len() < due {
+                    let id = format!("s4-{p}-{}", sent.len());
+                    // Autocommit: the statement's return is the commit's return.
+                    let row = c
+                        .query_one(&st, &[&topic, &payload, &id])
                         .await
                         .map_err(|e| format!("[s4] emit: {}", pg_err(&e)))?;
-                    sent += 1;
+                    let at = now_us();
+                    let lsn = row.try_get::<_, String>(0).ok().and_then(|t| parse_lsn(&t));
+                    sent.push((id, lsn, at));
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            Ok::<u64, String>(sent)
+            Ok::<_, String>(sent)
         }));
     }
-    let mut sent = 0;
+    let mut by_id: HashMap<String, i64> = HashMap::new();
+    let mut by_lsn: HashMap<u64, i64> = HashMap::new();
     for t in tasks {
-        sent += t.await.map_err(|e| format!("[s4] producer task: {e}"))??;
+        for (id, lsn, at) in t.await.map_err(|e| format!("[s4] producer task: {e}"))?? {
+            by_id.insert(id, at);
+            if let Some(lsn) = lsn {
+                by_lsn.insert(lsn, at);
+            }
+        }
     }
+    let sent = by_id.len() as u64;
     let produce_s = secs(start.elapsed());
     let per_msg = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) => (b - a) * 1e6 / sent.max(1) as f64,
@@ -1351,37 +2201,72 @@ async fn latency_case(ctx: &Ctx, rate: f64, rate_source: &str, dur: u64) -> R<La
         _ => f64::NAN,
     };
     done_tx.send(sent).ok();
-    let lat = consumer_task
-        .await
-        .map_err(|e| format!("[s4] consumer task: {e}"))??;
+    let got = match consumer_task.await {
+        Ok(Ok(got)) => got,
+        Ok(Err(e)) => {
+            let _ = streamer.stop().await;
+            return Err(e);
+        }
+        Err(e) => {
+            let _ = streamer.stop().await;
+            return Err(format!("[{tag}] consumer task: {e}"));
+        }
+    };
+    let scrape_after = match &http_addr {
+        Some(a) => scrape(a)
+            .await
+            .map_err(|e| eprintln!("bench: WARNING: [{tag}] {e}"))
+            .ok(),
+        None => None,
+    };
     let pid = streamer.pid.to_string();
     let cpu = cpu_secs(&pid, ctx.tck).ok_or("[s4] read /proc stat")?;
     let rss = vm_hwm_mb(streamer.pid).ok_or("[s4] read /proc status")?;
     let exit_status = streamer.stop().await;
     let _ = cconn.close(200, "bench done".into()).await;
     drop(c);
-    delete_queue(&ctx.ch, exchange, queue)
+    delete_queue(&ctx.ch, &exchange, &queue)
         .await
-        .map_err(|e| format!("[s4] {e}"))?;
-    drop_db(ctx, db).await.map_err(|e| format!("[s4] {e}"))?;
-    let mut sorted = lat.clone();
-    sorted.sort_unstable();
+        .map_err(|e| format!("[{tag}] {e}"))?;
+    drop_db(ctx, &db)
+        .await
+        .map_err(|e| format!("[{tag}] {e}"))?;
+
+    let mut from_return = Vec::new();
+    let mut from_header = Vec::new();
+    let mut unmatched = 0;
+    for r in &got {
+        let committed = r.message_id.as_deref().and_then(|m| {
+            by_id
+                .get(m)
+                .or_else(|| parse_lsn(m).and_then(|l| by_lsn.get(&l)))
+        });
+        match committed {
+            Some(t) => from_return.push(r.recv_us - t),
+            None => unmatched += 1,
+        }
+        if let Some(t) = r.header_commit_us {
+            from_header.push(r.recv_us - t);
+        }
+    }
+    let confirm_histogram = match (&scrape_before, &scrape_after) {
+        (Some(b), Some(a)) => confirm_histogram(b, a),
+        _ => None,
+    };
     Ok(LatencyRun {
+        relay: relay.label().to_string(),
         target_msgs_per_s: rate,
         rate_source: rate_source.to_string(),
         duration_s: dur,
         producers: LATENCY_PRODUCERS,
         producer_synchronous_commit: PRODUCER_SYNC_COMMIT.to_string(),
         sent,
-        received: lat.len() as u64,
+        received: got.len() as u64,
         achieved_msgs_per_s: sent as f64 / produce_s,
-        p50_ms: pct(&sorted, 0.50),
-        p95_ms: pct(&sorted, 0.95),
-        p99_ms: pct(&sorted, 0.99),
-        max_ms: sorted
-            .last()
-            .map(|v| *v as f64 / 1000.0)
-            .unwrap_or(f64::NAN),
+        from_commit_return: Quantiles::of(from_return),
+        unmatched,
+        from_commit_header: (!from_header.is_empty()).then(|| Quantiles::of(from_header)),
+        confirm_histogram,
         cpu_us_per_msg: cpu * 1e6 / sent.max(1) as f64,
         peak_rss_mb: rss,
         machine_cpu_busy,
@@ -1430,42 +2315,52 @@ fn opt_vals(runs: &[&DrainRun], f: impl Fn(&DrainRun) -> Option<f64>) -> String 
 fn table(drains: &[DrainRun]) -> String {
     let mut out = String::new();
     out.push_str(
-        "| scenario | N × size | pgoutbox msg/s | MB/s | decode ceiling msg/s | broker ceiling msg/s (best W) | ratio | pgoutbox CPU µs/msg | pgoutbox CPU / wall | peak RSS MB | window | walsender µs/msg | RabbitMQ µs/msg |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| scenario | N × size | relay | sent | msg/s | MB/s | decode ceiling msg/s | broker ceiling msg/s (shape, best publisher and W) | ratio | CPU µs/msg | CPU / wall | peak RSS MB | walsender µs/msg | RabbitMQ µs/msg |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    let mut keys: Vec<(String, usize)> = Vec::new();
+    let mut keys: Vec<(String, usize, String)> = Vec::new();
     for d in drains {
-        let k = (d.scenario.clone(), d.size);
+        let k = (d.scenario.clone(), d.size, d.relay.clone());
         if !keys.contains(&k) {
             keys.push(k);
         }
     }
-    for (sc, size) in keys {
+    for (sc, size, relay) in keys {
         let runs: Vec<&DrainRun> = drains
             .iter()
-            .filter(|d| d.scenario == sc && d.size == size)
+            .filter(|d| d.scenario == sc && d.size == size && d.relay == relay)
             .collect();
         let first = runs[0];
-        let bw: Vec<String> = runs
-            .iter()
-            .map(|r| r.broker_best_window.to_string())
-            .collect();
+        let mut sent: Vec<&str> = Vec::new();
+        let mut ceiling: Vec<String> = Vec::new();
+        for r in &runs {
+            if !sent.contains(&r.observed_shape.as_str()) {
+                sent.push(&r.observed_shape);
+            }
+            ceiling.push(format!(
+                "{}, {} W {}",
+                r.ceiling_shape.name(),
+                r.broker_best_publisher,
+                r.broker_best_window
+            ));
+        }
+        ceiling.dedup();
         let _ = writeln!(
             out,
-            "| {sc} | {} × {} B ({}/tx) | {} | {} | {} | {} (W {}) | {} | {} | {} | {} | {} | {} | {} |",
+            "| {sc} | {} × {} B ({}/tx) | {relay} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} |",
             first.n,
             size,
             first.per_tx,
+            sent.join("/"),
             fmt_mmm(runs.iter().map(|r| r.msgs_per_s).collect(), 0),
             fmt_mmm(runs.iter().map(|r| r.mb_per_s).collect(), 1),
             fmt_mmm(runs.iter().map(|r| r.decode_msgs_per_s).collect(), 0),
             fmt_mmm(runs.iter().map(|r| r.broker_msgs_per_s).collect(), 0),
-            bw.join("/"),
+            ceiling.join("/"),
             fmt_mmm(runs.iter().map(|r| r.ratio).collect(), 2),
             fmt_mmm(runs.iter().map(|r| r.cpu_us_per_msg).collect(), 1),
             fmt_mmm(runs.iter().map(|r| r.cpu_share_of_wall).collect(), 2),
             fmt_mmm(runs.iter().map(|r| r.peak_rss_mb).collect(), 1),
-            first.window,
             opt_vals(&runs, |r| r.walsender_cpu_us_per_msg),
             opt_vals(&runs, |r| r.rabbit_cpu_us_per_msg),
         );
@@ -1473,24 +2368,77 @@ fn table(drains: &[DrainRun]) -> String {
     out
 }
 
-fn broker_table(drains: &[DrainRun]) -> String {
+/// pgoutbox's CPU per message with `/metrics` on and off, paired by run (issue 7: within 5%).
+fn metrics_table(drains: &[DrainRun]) -> String {
     let mut out = String::from(
-        "| scenario | size | window | broker msg/s | bench client CPU µs/msg | RabbitMQ CPU µs/msg |\n|---|---|---|---|---|---|\n",
+        "| scenario | runs | CPU µs/msg, metrics on | CPU µs/msg, metrics off | on ÷ off | msg/s on | msg/s off |\n|---|---|---|---|---|---|---|\n",
     );
-    let mut keys: Vec<(String, usize, usize)> = Vec::new();
+    let mut scenarios: Vec<&str> = Vec::new();
     for d in drains {
-        for b in &d.broker {
-            let k = (d.scenario.clone(), d.size, b.window);
+        if d.metrics == "off" && !scenarios.contains(&d.scenario.as_str()) {
+            scenarios.push(&d.scenario);
+        }
+    }
+    for sc in scenarios {
+        let mut on = Vec::new();
+        let mut off = Vec::new();
+        let mut ratio = Vec::new();
+        let (mut rate_on, mut rate_off) = (Vec::new(), Vec::new());
+        for d_off in drains
+            .iter()
+            .filter(|d| d.scenario == sc && d.metrics == "off")
+        {
+            let Some(d_on) = drains.iter().find(|d| {
+                d.scenario == sc
+                    && d.run == d_off.run
+                    && d.metrics == "on"
+                    && d.program == "pgoutbox"
+                    && d.shape == d_off.shape
+            }) else {
+                continue;
+            };
+            on.push(d_on.cpu_us_per_msg);
+            off.push(d_off.cpu_us_per_msg);
+            ratio.push(d_on.cpu_us_per_msg / d_off.cpu_us_per_msg);
+            rate_on.push(d_on.msgs_per_s);
+            rate_off.push(d_off.msgs_per_s);
+        }
+        let _ = writeln!(
+            out,
+            "| {sc} | {} | {} | {} | {} | {} | {} |",
+            on.len(),
+            fmt_mmm(on, 1),
+            fmt_mmm(off, 1),
+            fmt_mmm(ratio, 2),
+            fmt_mmm(rate_on, 0),
+            fmt_mmm(rate_off, 0),
+        );
+    }
+    out
+}
+
+fn broker_table(cases: &[CaseRun]) -> String {
+    let mut out = String::from(
+        "| scenario | size | shape | bare publisher | window | broker msg/s | bench client CPU µs/msg | RabbitMQ CPU µs/msg |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut keys: Vec<(String, usize, Shape, &str, usize)> = Vec::new();
+    for c in cases {
+        for b in &c.broker {
+            let k = (c.scenario.clone(), c.size, b.shape, b.publisher, b.window);
             if !keys.contains(&k) {
                 keys.push(k);
             }
         }
     }
-    for (sc, size, w) in keys {
-        let bs: Vec<&BrokerRun> = drains
+    for (sc, size, shape, publisher, w) in keys {
+        let bs: Vec<&BrokerRun> = cases
             .iter()
-            .filter(|d| d.scenario == sc && d.size == size)
-            .flat_map(|d| d.broker.iter().filter(|b| b.window == w))
+            .filter(|c| c.scenario == sc && c.size == size)
+            .flat_map(|c| {
+                c.broker
+                    .iter()
+                    .filter(|b| b.shape == shape && b.publisher == publisher && b.window == w)
+            })
             .collect();
         let f = |g: &dyn Fn(&BrokerRun) -> Option<f64>, p: usize| {
             let v: Vec<f64> = bs.iter().filter_map(|b| g(b)).collect();
@@ -1502,10 +2450,91 @@ fn broker_table(drains: &[DrainRun]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {sc} | {size} B | {w} | {} | {} | {} |",
+            "| {sc} | {size} B | {} | {publisher} | {w} | {} | {} | {} |",
+            shape.name(),
             f(&|b| Some(b.msgs_per_s), 0),
             f(&|b| b.client_cpu_us_per_msg, 1),
             f(&|b| b.rabbit_cpu_us_per_msg, 1),
+        );
+    }
+    out
+}
+
+fn ms_pair(a: f64, b: f64) -> String {
+    format!("{a:.2} / {b:.2}")
+}
+
+/// Scenario 4: pgoutbox and the Node relay side by side per rate, then every run in detail.
+fn latency_tables(runs: &[LatencyRun]) -> String {
+    let mut out = String::from(
+        "| target msg/s | achieved msg/s (pgoutbox / Node) | pgoutbox p50 / p99 ms | Node relay p50 / p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    let mut rates: Vec<f64> = Vec::new();
+    for r in runs {
+        if !rates.contains(&r.target_msgs_per_s) {
+            rates.push(r.target_msgs_per_s);
+        }
+    }
+    let dash = || "–".to_string();
+    for rate in rates {
+        let p = runs
+            .iter()
+            .find(|r| r.target_msgs_per_s == rate && r.relay.starts_with("pgoutbox"));
+        let n = runs
+            .iter()
+            .find(|r| r.target_msgs_per_s == rate && r.relay == Relay::Node.label());
+        let q = |r: Option<&LatencyRun>| {
+            r.map(|r| ms_pair(r.from_commit_return.p50_ms, r.from_commit_return.p99_ms))
+                .unwrap_or_else(dash)
+        };
+        let both = |f: &dyn Fn(&LatencyRun) -> String| {
+            format!(
+                "{} / {}",
+                p.map(f).unwrap_or_else(dash),
+                n.map(f).unwrap_or_else(dash)
+            )
+        };
+        let _ = writeln!(
+            out,
+            "| {rate:.0} | {} | {} | {} | {} | {} | {} | {} |",
+            both(&|r| format!("{:.0}", r.achieved_msgs_per_s)),
+            q(p),
+            q(n),
+            p.and_then(|r| r.confirm_histogram.as_ref())
+                .map(|h| ms_pair(h.p50_ms, h.p99_ms))
+                .unwrap_or_else(dash),
+            p.and_then(|r| r.from_commit_header.as_ref())
+                .map(|h| ms_pair(h.p50_ms, h.p99_ms))
+                .unwrap_or_else(dash),
+            both(&|r| format!("{:.1}", r.cpu_us_per_msg)),
+            both(&|r| format!("{:.0}%", r.machine_cpu_busy * 100.0)),
+        );
+    }
+    out.push_str(
+        "\n| relay | target msg/s | achieved | received | unmatched | p50 ms | p95 ms | p99 ms | max ms | CPU µs/msg | peak RSS MB | machine busy | CPU µs/msg of Postgres / RabbitMQ / bench clients |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        let l = &r.from_commit_return;
+        let _ = writeln!(
+            out,
+            "| {} | {:.0} | {:.0} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% | {:.0} / {:.0} / {:.0} |",
+            r.relay,
+            r.target_msgs_per_s,
+            r.achieved_msgs_per_s,
+            r.received,
+            r.unmatched,
+            l.p50_ms,
+            l.p95_ms,
+            l.p99_ms,
+            l.max_ms,
+            r.cpu_us_per_msg,
+            r.peak_rss_mb,
+            r.machine_cpu_busy * 100.0,
+            r.postgres_cpu_us_per_msg,
+            r.rabbit_cpu_us_per_msg,
+            r.bench_cpu_us_per_msg
         );
     }
     out
@@ -1555,6 +2584,22 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         .await
         .map_err(|e| format!("admin channel: {e}"))?;
     let tck = clk_tck();
+    let node = prepare_node_peer(&log_dir);
+    match &node {
+        Ok(p) => eprintln!(
+            "bench: Node relay {} (node {}) runs next to pgoutbox",
+            p.dir.display(),
+            p.node_version
+        ),
+        Err(why) => eprintln!("bench: NOTE: the Node relay rows are skipped: {why}"),
+    }
+    let has_publish_properties = binary_has_publish_properties();
+    if !has_publish_properties {
+        eprintln!(
+            "bench: NOTE: target/release/pgoutbox has no --publish-properties: its \"minimal\" \
+             rows send the full shape (the table says what arrived)"
+        );
+    }
     let ctx = Ctx {
         stack,
         admin,
@@ -1562,6 +2607,7 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         ch,
         tck,
         log_dir: log_dir.clone(),
+        node,
     };
 
     let pg_version = sql_text(&ctx.admin, "version", "SELECT version()").await?;
@@ -1620,57 +2666,123 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     eprintln!("bench: machine {machine}");
 
     let t_all = Instant::now();
+    let mut cases: Vec<CaseRun> = Vec::new();
     let mut drains: Vec<DrainRun> = Vec::new();
     let path = log_dir.join(format!("results-{stamp}.json"));
     // After every case: the table so far on stderr, the raw figures so far in the JSON file.
-    let progress = |drains: &[DrainRun]| {
+    let progress = |cases: &[CaseRun], drains: &[DrainRun]| {
         eprintln!("bench: results so far:\n{}", table(drains));
-        let partial = json!({"complete": false, "machine": machine, "drains": drains});
+        let partial =
+            json!({"complete": false, "machine": machine, "cases": cases, "drains": drains});
         if let Ok(text) = serde_json::to_string_pretty(&partial) {
             let _ = fs::write(&path, text);
         }
     };
     let has = |s: u32| args.scenarios.contains(&s);
+    let with_node = |mut v: Vec<Relay>| {
+        if ctx.node().is_some() {
+            v.push(Relay::Node);
+        }
+        v
+    };
+    let s1_relays = with_node(vec![
+        Relay::Pgoutbox(Shape::Full, Metrics::On),
+        Relay::Pgoutbox(Shape::Full, Metrics::Off),
+        Relay::Pgoutbox(Shape::Minimal, Metrics::On),
+    ]);
+    let s2_relays = with_node(vec![
+        Relay::Pgoutbox(Shape::Full, Metrics::On),
+        Relay::Pgoutbox(Shape::Minimal, Metrics::On),
+    ]);
+    let s3_relays = [Relay::Pgoutbox(Shape::Full, Metrics::On)];
     for run in 1..=args.runs {
+        // Every other run drains in the reverse order, so that neither the first drain of a
+        // fresh backlog nor the last one always falls to the same relay; metrics on and off
+        // stay next to each other.
+        let order = |relays: &[Relay]| {
+            let mut v = relays.to_vec();
+            if run % 2 == 0 {
+                v.reverse();
+            }
+            v
+        };
         if has(1) {
-            drains.push(drain_case(&ctx, "s1", run, sz.s1_n, 256, 1000).await?);
-            progress(&drains);
+            let (c, d) =
+                drain_case(&ctx, "s1", run, sz.s1_n, 256, 1000, &order(&s1_relays)).await?;
+            cases.push(c);
+            drains.extend(d);
+            progress(&cases, &drains);
         }
         if has(2) {
-            drains.push(drain_case(&ctx, "s2", run, sz.s2_n, 256, 1).await?);
-            progress(&drains);
+            let (c, d) = drain_case(&ctx, "s2", run, sz.s2_n, 256, 1, &order(&s2_relays)).await?;
+            cases.push(c);
+            drains.extend(d);
+            progress(&cases, &drains);
         }
         if has(3) {
             for size in [64usize, 1024, 16 << 10, 256 << 10] {
                 let n = (sz.s3_bytes / size as u64).max(sz.s3_min_count);
                 let per_tx = ((1u64 << 20) / size as u64).clamp(1, 1000);
                 let sc = format!("s3_{size}");
-                drains.push(drain_case(&ctx, &sc, run, n, size, per_tx).await?);
-                progress(&drains);
+                let (c, d) = drain_case(&ctx, &sc, run, n, size, per_tx, &s3_relays).await?;
+                cases.push(c);
+                drains.extend(d);
+                progress(&cases, &drains);
             }
         }
     }
-    let mut latency = None;
+    let mut latency: Vec<LatencyRun> = Vec::new();
     if has(4) {
         let s2: Vec<f64> = drains
             .iter()
-            .filter(|d| d.scenario == "s2")
+            .filter(|d| d.scenario == "s2" && d.relay == "pgoutbox full")
             .map(|d| d.msgs_per_s)
             .collect();
-        let (rate, source) = if let Some(r) = args.s4_rate {
-            (r, "fixed (--s4-rate)".to_string())
+        let rates: Vec<(f64, String)> = if let Some(r) = &args.s4_rates {
+            r.iter()
+                .map(|r| (*r, "fixed (--s4-rate)".to_string()))
+                .collect()
         } else if args.quick {
-            (2000.0, "fixed (--quick)".to_string())
-        } else if s2.is_empty() {
-            (5000.0, "fixed 5000 (scenario 2 not run)".to_string())
+            vec![(QUICK_LATENCY_RATE, "fixed (--quick)".to_string())]
         } else {
-            let (m, _, _) = median_min_max(s2);
-            (
-                m / 2.0,
-                format!("half the scenario-2 median ({m:.0} msg/s)"),
-            )
+            let (half, source) = if s2.is_empty() {
+                (5000.0, "5000, scenario 2 not run".to_string())
+            } else {
+                let (m, _, _) = median_min_max(s2);
+                (
+                    (m / 2.0 / 100.0).round() * 100.0,
+                    format!("half the scenario-2 median ({m:.0} msg/s)"),
+                )
+            };
+            let mut v: Vec<(f64, String)> = LATENCY_RATES
+                .iter()
+                .filter(|r| **r == LATENCY_RATES[0] || **r < half * 0.9)
+                .map(|r| (*r, "fixed".to_string()))
+                .collect();
+            if half > v.last().map(|r| r.0).unwrap_or(0.0) * 1.1 {
+                v.push((half, source));
+            }
+            v
         };
-        latency = Some(latency_case(&ctx, rate, &source, sz.s4_secs).await?);
+        let relays = with_node(vec![Relay::Pgoutbox(Shape::Full, Metrics::On)]);
+        for (rate, source) in rates {
+            for relay in &relays {
+                match latency_case(&ctx, *relay, rate, &source, sz.s4_secs).await {
+                    Ok(l) => {
+                        eprintln!(
+                            "bench: [s4] {} at {rate:.0} msg/s: p50 {:.2} ms, p99 {:.2} ms",
+                            l.relay, l.from_commit_return.p50_ms, l.from_commit_return.p99_ms
+                        );
+                        latency.push(l);
+                    }
+                    Err(e) if *relay == Relay::Node => eprintln!(
+                        "bench: WARNING: [s4] the Node relay failed at {rate:.0} msg/s, row \
+                         left out: {e}"
+                    ),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
     }
     let total_s = secs(t_all.elapsed());
 
@@ -1699,56 +2811,97 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         machine["load_at_start"].as_str().unwrap_or("?"),
         loadavg()
     );
-    let _ = writeln!(
+    let _ =
+        writeln!(
         md,
         "Postgres runs with **{}** (deploy/stack.sh: no WAL durability; producers and decode are \
          faster than on a durable server). Messages persistent (delivery_mode 2), durable classic \
-         queue bound with `#`, publisher confirms. Values: median [min–max] over runs. \
-         ratio = pgoutbox ÷ min(decode, broker) per run. Broker ceiling: bare lapin publisher, \
-         best of W={:?}, on min(N, {BROKER_CAP}) messages. Decode ceiling: pg_recvlogical on a \
-         twin slot. CPU / wall: pgoutbox CPU seconds ÷ drain seconds (1.0 = one core busy).\n",
+         queue bound with `#`, publisher confirms; pgoutbox and the Node relay run with a window \
+         of {PGOUTBOX_WINDOW}. Each backlog is drained once per relay, each on its own slot. \
+         Values: median [min–max] over runs. sent = the shape of a message taken from the \
+         relay's queue (full: our headers, content type, timestamp; minimal: message_id only). \
+         ratio = msg/s ÷ min(decode, broker ceiling of the shape sent) per run. Broker ceiling: \
+         the best of a bare lapin publisher at W={:?} and a bare publisher on pgoutbox's own \
+         connection at W={OWN_PUBLISHER_WINDOW}, on min(N, {BROKER_CAP}) messages of that shape. \
+         Decode ceiling: pg_recvlogical on a twin slot. CPU / wall: the relay's CPU seconds ÷ \
+         drain seconds (1.0 = one core busy).{}\n",
         pg_settings.join(", "),
-        BROKER_WINDOWS
+        BROKER_WINDOWS,
+        match &ctx.node {
+            Ok(p) => format!(" Node relay: `{}` on node {}.", NODE_PEER_DIR, p.node_version),
+            Err(why) => format!(" **Node relay skipped**: {why}."),
+        }
     );
     md.push_str(&table(&drains));
-    md.push_str("\nBroker ceiling by window:\n\n");
-    md.push_str(&broker_table(&drains));
-    if let Some(l) = &latency {
+    if drains.iter().any(|d| d.metrics == "off") {
+        md.push_str("\npgoutbox CPU per message with `/metrics` on and off (`PGOUTBOX_HTTP_ADDR=off`), drains of the same backlog back to back, paired by run:\n\n");
+        md.push_str(&metrics_table(&drains));
+    }
+    md.push_str("\nBroker ceiling by shape and window:\n\n");
+    md.push_str(&broker_table(&cases));
+    if let Some(l) = latency.first() {
         let _ = writeln!(
             md,
-            "\nSteady-state latency (commit → consumer receive), {} producers \
-             (synchronous_commit={}), one message per transaction, 256 B, target {:.0} msg/s ({}), achieved {:.0} msg/s for {} s, {} \
-             messages:\n\n| p50 ms | p95 ms | p99 ms | max ms | pgoutbox CPU µs/msg | peak RSS MB | machine CPU busy | CPU µs/msg of Postgres / RabbitMQ / bench clients |\n\
-             |---|---|---|---|---|---|---|---|\n| {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% | {:.0} / {:.0} / {:.0} |",
-            l.producers,
-            l.producer_synchronous_commit,
-            l.target_msgs_per_s,
-            l.rate_source,
-            l.achieved_msgs_per_s,
-            l.duration_s,
-            l.received,
-            l.p50_ms,
-            l.p95_ms,
-            l.p99_ms,
-            l.max_ms,
-            l.cpu_us_per_msg,
-            l.peak_rss_mb,
-            l.machine_cpu_busy * 100.0,
-            l.postgres_cpu_us_per_msg,
-            l.rabbit_cpu_us_per_msg,
-            l.bench_cpu_us_per_msg
+            "\nSteady-state latency, {} paced producers (synchronous_commit={}), one message \
+             per transaction, 256 B, {} s per run. Latency = consumer receive time − the \
+             producer's commit-return time (matched by message_id for pgoutbox, by message LSN \
+             for the Node relay). pgoutbox runs the full shape. /metrics: pgoutbox's own \
+             `pgoutbox_confirm_latency_seconds` (commit to broker confirm), scraped before and \
+             after, differenced, quantiles interpolated within buckets. Commit-header: receive \
+             time − `x-pgoutbox-commit-time-us`.\n",
+            l.producers, l.producer_synchronous_commit, l.duration_s
         );
+        md.push_str(&latency_tables(&latency));
     }
     let bad: Vec<String> = drains
         .iter()
         .filter(|d| d.exit_status != "exit status: 0")
-        .map(|d| format!("{} run {}: {}", d.scenario, d.run, d.exit_status))
+        .map(|d| {
+            format!(
+                "{} {} run {}: {}",
+                d.scenario, d.relay, d.run, d.exit_status
+            )
+        })
+        .chain(
+            latency
+                .iter()
+                .filter(|l| l.exit_status != "exit status: 0")
+                .map(|l| {
+                    format!(
+                        "s4 {} at {:.0}: {}",
+                        l.relay, l.target_msgs_per_s, l.exit_status
+                    )
+                }),
+        )
         .collect();
     if !bad.is_empty() {
         let _ = writeln!(
             md,
-            "\n**WARNING**: pgoutbox did not exit 0 on SIGTERM: {}",
+            "\n**WARNING**: a relay did not exit 0 on SIGTERM: {}",
             bad.join("; ")
+        );
+    }
+    let ignored: Vec<String> = drains
+        .iter()
+        .filter(|d| d.observed_shape != d.shape.name())
+        .map(|d| {
+            format!(
+                "{} {} run {} sent {}",
+                d.scenario, d.relay, d.run, d.observed_shape
+            )
+        })
+        .collect();
+    if !ignored.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n**NOTE**: rows that did not send the shape asked for (ratio against the shape \
+             sent): {}{}",
+            ignored.join("; "),
+            if has_publish_properties {
+                ""
+            } else {
+                " (this pgoutbox has no --publish-properties)"
+            }
         );
     }
     let _ = writeln!(md, "\nRaw figures: {}", path.display());
@@ -1764,6 +2917,12 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         "pgoutbox_window": PGOUTBOX_WINDOW,
         "broker_windows": BROKER_WINDOWS,
         "broker_cap": BROKER_CAP,
+        "pgoutbox_has_publish_properties": has_publish_properties,
+        "node_peer": match &ctx.node {
+            Ok(p) => json!({"ran": true, "dir": p.dir, "node_version": p.node_version}),
+            Err(why) => json!({"ran": false, "skipped_because": why}),
+        },
+        "cases": cases,
         "drains": drains,
         "latency": latency,
         "markdown": md,
