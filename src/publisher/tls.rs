@@ -409,4 +409,69 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn each_handshake_failure_names_its_fix() {
+        let options = TlsOptions {
+            server_name: ServerName::try_from("mq.example").unwrap(),
+            anchors: TrustAnchors::System,
+            identity: None,
+        };
+        let tls_err = |e: rustls::Error| io::Error::new(io::ErrorKind::InvalidData, e);
+        let cases = [
+            (
+                tls_err(rustls::Error::InvalidCertificate(
+                    CertificateError::UnknownIssuer,
+                )),
+                "certificate verification failed for \"mq.example\" against the system trust store",
+                "set cacertfile= in the URL to the CA that signed the broker's certificate",
+            ),
+            (
+                tls_err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForName,
+                )),
+                "not valid for the name \"mq.example\"",
+                "server_name_indication=",
+            ),
+            (
+                tls_err(rustls::Error::InvalidCertificate(CertificateError::Expired)),
+                "outside its validity period",
+                "renew the broker's certificate",
+            ),
+            (
+                tls_err(rustls::Error::InvalidMessage(
+                    rustls::InvalidMessage::InvalidContentType,
+                )),
+                "the server at mq.example:5672 did not answer in TLS",
+                "is mq.example:5672 the TLS listener?",
+            ),
+            (
+                io::Error::new(io::ErrorKind::UnexpectedEof, "tls handshake eof"),
+                "closed the connection during the TLS handshake",
+                "is mq.example:5672 the TLS listener?",
+            ),
+            (
+                tls_err(rustls::Error::AlertReceived(
+                    rustls::AlertDescription::CertificateRequired,
+                )),
+                "refused the TLS handshake with the alert CertificateRequired",
+                "set certfile= and keyfile=",
+            ),
+        ];
+        for (e, context, fix) in cases {
+            let err = handshake_error(
+                &e,
+                &options,
+                "mq.example:5672",
+                "amqps://u:***@mq.example:5672/%2f",
+            );
+            let text = err.to_string();
+            assert!(matches!(err, Error::Tls { .. }), "{text}");
+            assert!(text.contains(context) && text.contains(fix), "{text}");
+            assert!(
+                text.starts_with("RabbitMQ at amqps://u:***@mq.example:5672/%2f: "),
+                "{text}"
+            );
+        }
+    }
 }
