@@ -371,14 +371,15 @@ impl Handshake<'_> {
 
     async fn frame(&mut self) -> Result<AMQPFrame, Error> {
         loop {
-            // A server answering the protocol header with its own (a version mismatch) is
-            // 8 bytes starting "AMQP".
-            if !self.tls && self.buf.len() >= 2 && looks_like_tls(&self.buf) {
+            // A TLS listener answers the protocol header with a TLS record (an alert).
+            if !self.tls && looks_like_tls(&self.buf) {
                 return Err(self.err(format!(
                     "the server at {} answered in TLS: it is a TLS listener; use amqps:// for it (with cacertfile= if its CA is not in the system trust store), or the plain AMQP port (5672 by default)",
                     self.address
                 )));
             }
+            // A server answering the protocol header with its own (a version mismatch) is
+            // 8 bytes starting "AMQP".
             if self.buf.starts_with(b"AMQP") && self.buf.len() >= 8 {
                 return Err(self.err(format!(
                     "the broker does not speak AMQP 0-9-1 (it answered with protocol header {:?})",
