@@ -162,7 +162,11 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
     // Information only (setup --lockdown): never a warning or a problem.
     match admin::lockdown_state(&client).await {
         Ok(state) => out.push(finding(Severity::Ok, "lockdown", state.describe())),
-        Err(e) => out.push(finding(Severity::Ok, "lockdown", format!("unknown: {}", report(&e)))),
+        Err(e) => out.push(finding(
+            Severity::Ok,
+            "lockdown",
+            format!("unknown: {}", report(&e)),
+        )),
     }
     let slot = &config.slot;
     match admin::slot_status(&client, slot).await {

@@ -225,13 +225,15 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         return Err(EnvelopeError::Empty);
     };
     if version != VERSION_1 && version != VERSION_2 {
-        return Err(if (CURRENT_VERSION + 1..=MAX_FUTURE_VERSION).contains(&version) {
-            EnvelopeError::UnsupportedVersion { version }
-        } else {
-            EnvelopeError::NotAnEnvelope {
-                first_byte: version,
-            }
-        });
+        return Err(
+            if (CURRENT_VERSION + 1..=MAX_FUTURE_VERSION).contains(&version) {
+                EnvelopeError::UnsupportedVersion { version }
+            } else {
+                EnvelopeError::NotAnEnvelope {
+                    first_byte: version,
+                }
+            },
+        );
     }
     let len_bytes: [u8; 4] = content
         .get(1..FIXED_LEN)

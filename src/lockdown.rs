@@ -143,7 +143,10 @@ mod tests {
         let mut l = Lockdown::default();
         assert_eq!(l.on_marker(Lsn(10), b"off", true), MarkerEffect::Ignored);
         assert_eq!(l.on_marker(Lsn(20), b"on", false), MarkerEffect::Ignored);
-        assert_eq!(l.on_marker(Lsn(20), b"on", true), MarkerEffect::Locked(Lsn(20)));
+        assert_eq!(
+            l.on_marker(Lsn(20), b"on", true),
+            MarkerEffect::Locked(Lsn(20))
+        );
         // A repeated or later "on" does not move the lockdown later (less strict).
         assert_eq!(l.on_marker(Lsn(20), b"on", true), MarkerEffect::Ignored);
         assert_eq!(l.on_marker(Lsn(30), b"on", true), MarkerEffect::Ignored);
@@ -156,7 +159,10 @@ mod tests {
         assert_eq!(l.on_marker(Lsn(50), b"off", true), MarkerEffect::Unlocked);
         assert!(!l.covers(Lsn(51)));
         // Re-locked later.
-        assert_eq!(l.on_marker(Lsn(60), b"on", true), MarkerEffect::Locked(Lsn(60)));
+        assert_eq!(
+            l.on_marker(Lsn(60), b"on", true),
+            MarkerEffect::Locked(Lsn(60))
+        );
         assert!(!l.covers(Lsn(55)));
         assert!(l.covers(Lsn(61)));
     }
@@ -165,7 +171,10 @@ mod tests {
     fn a_replayed_earlier_marker_makes_it_stricter() {
         // The record says 200; the stream replays the marker of an earlier lockdown.
         let mut l = Lockdown::from_record(Some(Lsn(200)));
-        assert_eq!(l.on_marker(Lsn(100), b"on", true), MarkerEffect::Locked(Lsn(100)));
+        assert_eq!(
+            l.on_marker(Lsn(100), b"on", true),
+            MarkerEffect::Locked(Lsn(100))
+        );
         assert!(l.covers(Lsn(150)));
     }
 }

@@ -697,7 +697,10 @@ impl Core {
                     self.current_txn.filter(|_| m.transactional)
                 else {
                     let (reason, error) = if locked {
-                        ("forged", self.forged_error(m.lsn, "a non-transactional message"))
+                        (
+                            "forged",
+                            self.forged_error(m.lsn, "a non-transactional message"),
+                        )
                     } else {
                         ("poison", "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)".into())
                     };

@@ -138,7 +138,10 @@ async fn lockdown_stops_direct_emits_and_dead_letters_forged_messages() {
     // Idempotent, and a plain setup (which replaces the functions) keeps the lockdown.
     setup(&ob, &["--lockdown"]);
     setup(&ob, &[]);
-    assert_eq!(ob.sql("SELECT enabled_at_lsn FROM outbox.lockdown"), lockdown_lsn);
+    assert_eq!(
+        ob.sql("SELECT enabled_at_lsn FROM outbox.lockdown"),
+        lockdown_lsn
+    );
     assert_eq!(
         ob.sql("SELECT string_agg(proname || ':' || prosecdef || ':' || proowner::regrole, ',' ORDER BY proname) FROM pg_proc WHERE proname IN ('emit', 'emit_bytes') AND pronamespace = 'outbox'::regnamespace").trim(),
         "emit:true:pgoutbox_emitter,emit_bytes:true:pgoutbox_emitter"
@@ -152,8 +155,9 @@ async fn lockdown_stops_direct_emits_and_dead_letters_forged_messages() {
     ] {
         let err = sql_error(&producer, call).await;
         assert!(
-            err.as_deref()
-                .is_some_and(|e| e.contains("permission denied for function pg_logical_emit_message")),
+            err.as_deref().is_some_and(
+                |e| e.contains("permission denied for function pg_logical_emit_message")
+            ),
             "{call}: {err:?}"
         );
     }
@@ -185,7 +189,10 @@ async fn lockdown_stops_direct_emits_and_dead_letters_forged_messages() {
         after["lockdown"]["enabled_at_lsn"].as_str(),
         Some(lockdown_lsn.trim())
     );
-    assert_eq!(code_before, code_after, "information only: {before} / {after}");
+    assert_eq!(
+        code_before, code_after,
+        "information only: {before} / {after}"
+    );
     let out = ob.cli(&[
         "check",
         "--publication",
@@ -207,7 +214,13 @@ async fn lockdown_stops_direct_emits_and_dead_letters_forged_messages() {
     let got = ob.drain(5, scaled(Duration::from_secs(20))).await;
     assert_eq!(
         ids(&got),
-        ["pre-pending", "pre-open", "helper-1", "helper-bytes", "helper-2"],
+        [
+            "pre-pending",
+            "pre-open",
+            "helper-1",
+            "helper-bytes",
+            "helper-2"
+        ],
         "{}",
         streamer.log()
     );
