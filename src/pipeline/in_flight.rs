@@ -61,11 +61,11 @@ impl InFlight {
     ///
     /// With [`PublishProperties::Full`]: message id, content type, persistent, timestamp in
     /// seconds, and headers (the producer's, then ours: message LSN, commit LSN as `X/Y`
-    /// text, commit time in µs, and the emitter when the envelope has one); returns are
-    /// matched by the message LSN. With [`PublishProperties::Minimal`]: persistent, message
-    /// id and the producer's headers only (none when it set none), plus the emitter when
-    /// it was checked under lockdown ([`InFlight::emitter_checked`]); returns are matched by
-    /// the message id.
+    /// text, commit time in µs); returns are matched by the message LSN. With
+    /// [`PublishProperties::Minimal`]: persistent, message id and the producer's headers
+    /// only (none when it set none); returns are matched by the message id. In both, the
+    /// emitter header when the message was checked under lockdown
+    /// ([`InFlight::emitter_checked`]): only then can it be trusted.
     ///
     /// # Errors
     /// A text naming what does not fit AMQP (a topic, message id or content type over 255
@@ -86,7 +86,7 @@ impl InFlight {
                 insert_text(&mut headers, HEADER_LSN, self.lsn.to_string());
                 insert_text(&mut headers, HEADER_COMMIT_LSN, self.commit_lsn.to_string());
                 insert_i64(&mut headers, HEADER_COMMIT_TIME_US, self.commit_time_us);
-                if let Some(who) = env.emitted_by {
+                if let Some(who) = env.emitted_by.filter(|_| self.emitter_checked) {
                     insert_text(&mut headers, HEADER_EMITTED_BY, who);
                 }
                 let properties = BasicProperties::default()
