@@ -1,16 +1,21 @@
 -- pgoutbox producer functions (PostgreSQL 14+; tested on 15).
 --
 -- Producers call outbox.emit(...) or outbox.emit_bytes(...) inside their own transaction.
--- The functions validate their arguments, build a version-1 envelope and write it to WAL
+-- The functions validate their arguments, build a version-2 envelope and write it to WAL
 -- with pg_logical_emit_message(true, 'pgoutbox', envelope): a *transactional* logical
 -- decoding message, delivered to pgoutbox only if, and when, the transaction commits.
 -- Nothing is stored in any table. Both functions return the message's pg_lsn.
 --
--- Envelope version 1 (see docs/envelope.md; decoded by src/envelope.rs):
---   byte 0        version, 0x01
+-- Envelope version 2 (see docs/envelope.md; decoded by src/envelope.rs, which still reads
+-- version 1: the same without emitted_by, version byte 0x01):
+--   byte 0        version, 0x02
 --   bytes 1..5    N, the header length in bytes, unsigned 32-bit big-endian
 --   next N bytes  header: UTF-8 JSON object
---                 {"id": text, "topic": text, "content_type": text, "headers": {object}}
+--                 {"id": text, "topic": text, "content_type": text, "headers": {object},
+--                  "emitted_by": text}
+--                 emitted_by is session_user: the role that logged in (or SET SESSION
+--                 AUTHORIZATION), not current_user, which inside the SECURITY DEFINER
+--                 helpers of `pgoutbox setup --lockdown` is their owner.
 --   the rest      payload, raw bytes: for emit, the UTF-8 text of payload::text (the jsonb);
 --                 for emit_bytes, the bytea as is. No double encoding; NUL bytes are fine.
 --
@@ -32,17 +37,21 @@
 -- schema has none for PUBLIC) and EXECUTE on outbox.emit / outbox.emit_bytes (functions
 -- get EXECUTE for PUBLIC by default), e.g.
 --   GRANT USAGE ON SCHEMA outbox TO my_producer_role;
--- pg_logical_emit_message itself needs no special privilege.
+-- pg_logical_emit_message itself needs no special privilege, unless `pgoutbox setup
+-- --lockdown` (sql/lockdown.sql) revoked it from PUBLIC: then emit and emit_bytes are
+-- SECURITY DEFINER functions owned by the NOLOGIN role pgoutbox_emitter and are the only
+-- way for ordinary roles to write an outbox message. Running this file again keeps that
+-- (see the end of the file).
 --
--- The functions pin search_path to pg_catalog so that producers' search_path settings
--- cannot change what they call.
+-- The functions pin search_path to pg_catalog, pg_temp and qualify every name, so that
+-- producers' search_path settings cannot change what they call.
 
 CREATE SCHEMA IF NOT EXISTS outbox;
 
 COMMENT ON SCHEMA outbox IS
     'pgoutbox producer API: outbox.emit / outbox.emit_bytes write transactional logical decoding messages (prefix pgoutbox) that pgoutbox publishes to RabbitMQ.';
 
--- Internal: validates the arguments and returns the version-1 envelope bytes.
+-- Internal: validates the arguments and returns the version-2 envelope bytes.
 -- Shared by emit and emit_bytes; also callable on its own to inspect the exact bytes
 -- (tests compare its output with the Rust decoder). Does not write to WAL.
 CREATE OR REPLACE FUNCTION outbox._envelope(
@@ -137,17 +146,18 @@ BEGIN
             'id', id,
             'topic', topic,
             'content_type', content_type,
-            'headers', headers
+            'headers', headers,
+            'emitted_by', session_user::text
         )::text,
         'UTF8');
 
-    -- decode('01', 'hex') is the version byte 0x01, independent of standard_conforming_strings.
-    RETURN decode('01', 'hex') || int4send(octet_length(hdr)) || hdr || payload;
+    -- decode('02', 'hex') is the version byte 0x02, independent of standard_conforming_strings.
+    RETURN decode('02', 'hex') || int4send(octet_length(hdr)) || hdr || payload;
 END;
 $fn$;
 
 COMMENT ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) IS
-    'Internal to pgoutbox: validates the arguments and returns the version-1 envelope bytes (0x01, u32 big-endian header length, UTF-8 JSON header, raw payload); a NULL message_id becomes a random UUID. Raises SQLSTATE 22023 on invalid arguments. Does not write to WAL.';
+    'Internal to pgoutbox: validates the arguments and returns the version-2 envelope bytes (0x02, u32 big-endian header length, UTF-8 JSON header with emitted_by = session_user, raw payload); a NULL message_id becomes a random UUID. Raises SQLSTATE 22023 on invalid arguments. Does not write to WAL.';
 
 CREATE OR REPLACE FUNCTION outbox.emit(
     topic text,
@@ -160,7 +170,7 @@ VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    RETURN pg_logical_emit_message(
+    RETURN pg_catalog.pg_logical_emit_message(
         true,
         'pgoutbox',
         outbox._envelope(topic, convert_to(payload::text, 'UTF8'), 'application/json',
@@ -183,7 +193,7 @@ VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    RETURN pg_logical_emit_message(
+    RETURN pg_catalog.pg_logical_emit_message(
         true,
         'pgoutbox',
         outbox._envelope(topic, payload, content_type, headers, message_id));
@@ -206,7 +216,7 @@ CREATE TABLE IF NOT EXISTS outbox.dead_letter (
     lsn              pg_lsn NOT NULL,      -- the message's LSN (x-pgoutbox-lsn)
     commit_lsn       pg_lsn,               -- its transaction's commit LSN (NULL outside one)
     envelope         bytea NOT NULL,       -- the logical message content exactly as emitted
-    reason           text NOT NULL,        -- nacked | returned | poison | too_large
+    reason           text NOT NULL,        -- nacked | returned | poison | too_large | forged
     attempts         integer NOT NULL,
     first_error      text,
     last_error       text,
@@ -220,3 +230,34 @@ CREATE TABLE IF NOT EXISTS outbox.dead_letter (
 
 COMMENT ON TABLE outbox.dead_letter IS
     'pgoutbox: messages not delivered to RabbitMQ (see reason, last_error); requeue with pgoutbox dead-letters requeue.';
+
+-- Lockdown record (sql/lockdown.sql writes it, sql/unlock.sql deletes it): at most one row,
+-- present while pg_logical_emit_message is revoked from PUBLIC in this database.
+-- enabled_at_lsn is the LSN of the lockdown marker message (prefix pgoutbox.lockdown) the
+-- lockdown transaction wrote: a pgoutbox message at a later LSN that is not a version-2
+-- envelope with an emitter is dead-lettered as forged. Readable by every role (it is what
+-- `run`, `status` and `check` read; nothing secret).
+CREATE TABLE IF NOT EXISTS outbox.lockdown (
+    singleton       boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    enabled_at_lsn  pg_lsn NOT NULL,
+    enabled_at      timestamptz NOT NULL DEFAULT now(),
+    enabled_by      text NOT NULL DEFAULT session_user,
+    previous_owner  text                  -- owner of outbox.emit before; unlock restores it
+);
+
+COMMENT ON TABLE outbox.lockdown IS
+    'pgoutbox: present while setup --lockdown is in effect (pg_logical_emit_message revoked from PUBLIC; outbox.emit/emit_bytes SECURITY DEFINER); pgoutbox messages after enabled_at_lsn that did not come through the helpers are dead-lettered as forged.';
+
+GRANT SELECT ON outbox.lockdown TO PUBLIC;
+
+-- CREATE OR REPLACE FUNCTION above resets SECURITY DEFINER (it keeps owner and grants):
+-- under lockdown, make the helpers SECURITY DEFINER again, or producers would lose their
+-- only way to emit.
+DO $lockdown$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox.lockdown) THEN
+        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
+        ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
+    END IF;
+END;
+$lockdown$;

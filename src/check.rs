@@ -159,6 +159,15 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         ),
     ));
     precondition(out, "role", admin::check_replication_role(&client).await);
+    // Information only (setup --lockdown): never a warning or a problem.
+    match admin::lockdown_state(&client).await {
+        Ok(state) => out.push(finding(Severity::Ok, "lockdown", state.describe())),
+        Err(e) => out.push(finding(
+            Severity::Ok,
+            "lockdown",
+            format!("unknown: {}", report(&e)),
+        )),
+    }
     let slot = &config.slot;
     match admin::slot_status(&client, slot).await {
         Ok(s) => {

@@ -226,6 +226,16 @@ pub struct SetupArgs {
     /// Publication name (created empty: logical messages need no tables).
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,
+    /// Also lock the database down (sql/lockdown.sql, needs a superuser): revoke EXECUTE on
+    /// pg_logical_emit_message from PUBLIC, so outbox.emit/emit_bytes (SECURITY DEFINER,
+    /// owned by the NOLOGIN role pgoutbox_emitter) are the only way to write an outbox
+    /// message; later messages not written by them are dead-lettered as forged.
+    #[arg(long, conflicts_with = "unlock")]
+    pub lockdown: bool,
+    /// Undo --lockdown (sql/unlock.sql, needs a superuser): GRANT EXECUTE on
+    /// pg_logical_emit_message back to PUBLIC, helpers SECURITY INVOKER again.
+    #[arg(long)]
+    pub unlock: bool,
 }
 
 /// `run` arguments.

@@ -1,15 +1,21 @@
 //! The pgoutbox envelope: the versioned byte format of an outbox message.
 //!
 //! `outbox.emit` / `outbox.emit_bytes` (see `sql/outbox.sql`) write one envelope as the
-//! content of a transactional logical decoding message with prefix [`PREFIX`]. Version 1
-//! (see `docs/envelope.md`):
+//! content of a transactional logical decoding message with prefix [`PREFIX`]. Versions 1
+//! and 2 (see `docs/envelope.md`) share one layout:
 //!
 //! | bytes        | content                                                              |
 //! |--------------|----------------------------------------------------------------------|
-//! | 0            | version, [`VERSION_1`] (`0x01`)                                      |
+//! | 0            | version, [`VERSION_1`] (`0x01`) or [`VERSION_2`] (`0x02`)            |
 //! | 1..5         | N, header length in bytes, u32 big-endian                            |
-//! | 5..5+N       | header: UTF-8 JSON object `{"id", "topic", "content_type", "headers"}` |
+//! | 5..5+N       | header: UTF-8 JSON object `{"id", "topic", "content_type", "headers"}`, and in version 2 also `"emitted_by"` |
 //! | 5+N..        | payload, raw bytes                                                   |
+//!
+//! Version 2 (written by the current `sql/outbox.sql`) adds `emitted_by`: the
+//! `session_user` that called the helper (not `current_user`, which inside the
+//! `SECURITY DEFINER` helpers of `setup --lockdown` is their owner). Version 1 is still
+//! read; its messages have no emitter ([`Envelope::emitted_by`] is `None`, and an
+//! `emitted_by` key in a version-1 header is ignored, as any unknown key is).
 //!
 //! [`decode`] enforces the same rules the SQL enforces at emit time (see
 //! [`Envelope::validate`]), so a message that slipped past them (an older or hand-written
@@ -22,8 +28,15 @@ use serde_json::{Map, Value};
 /// The logical decoding message prefix pgoutbox envelopes are emitted with.
 pub const PREFIX: &str = "pgoutbox";
 
-/// The version byte of envelope format version 1.
+/// The version byte of envelope format version 1 (no emitter).
 pub const VERSION_1: u8 = 1;
+
+/// The version byte of envelope format version 2: version 1 plus the header field
+/// `emitted_by` (the emitting `session_user`). What `outbox.emit` writes today.
+pub const VERSION_2: u8 = 2;
+
+/// The newest envelope version this pgoutbox reads (and the one the SQL helpers write).
+pub const CURRENT_VERSION: u8 = VERSION_2;
 
 /// The maximum length in bytes of the topic, message id, content type and each header key:
 /// they become AMQP short strings (routing key, message-id, content-type, field-table key).
@@ -65,6 +78,11 @@ pub struct Envelope {
     /// The payload bytes, exactly as the producer gave them (for `emit`: the UTF-8 text of
     /// the jsonb value).
     pub payload: Bytes,
+    /// Who emitted it (version-2 header field `emitted_by`): the `session_user` of the
+    /// session that called `outbox.emit`/`outbox.emit_bytes`, 1 to 255 bytes. `None` for a
+    /// version-1 envelope, or a version-2 one without the field (which the helpers never
+    /// write; under `setup --lockdown` such a message is dead-lettered as `forged`).
+    pub emitted_by: Option<String>,
 }
 
 /// Why envelope bytes could not be decoded, or an [`Envelope`] breaks the rules.
@@ -73,11 +91,12 @@ pub enum EnvelopeError {
     /// The content had no bytes at all.
     #[error("empty envelope: expected at least a version byte at offset 0")]
     Empty,
-    /// The version byte is newer than this pgoutbox understands (2 to
+    /// The version byte is newer than this pgoutbox understands (3 to
     /// [`MAX_FUTURE_VERSION`]): the envelope was written by a newer `sql/outbox.sql`.
     #[error(
-        "unsupported envelope version {version} at offset 0: this pgoutbox understands version 1 \
-         only; the envelope was written by a newer outbox.emit, so a newer pgoutbox may be needed"
+        "unsupported envelope version {version} at offset 0: this pgoutbox understands versions 1 \
+         and 2 only; the envelope was written by a newer outbox.emit, so a newer pgoutbox may be \
+         needed"
     )]
     UnsupportedVersion {
         /// The version byte found.
@@ -88,7 +107,7 @@ pub enum EnvelopeError {
     /// `outbox.emit`/`outbox.emit_bytes`.
     #[error(
         "not a pgoutbox envelope: the content starts with byte {first_byte:#04x}{}, where an \
-         envelope starts with its version (1); emit outbox messages with outbox.emit or \
+         envelope starts with its version (1 or 2); emit outbox messages with outbox.emit or \
          outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly",
         printable(*first_byte)
     )]
@@ -187,9 +206,11 @@ pub enum EnvelopeError {
 
 /// Decodes the content of a logical decoding message with prefix [`PREFIX`].
 ///
-/// Accepts envelope version 1 only (layout in the module docs and `docs/envelope.md`).
-/// Header keys other than `id`, `topic`, `content_type` and `headers` are ignored, and JSON
-/// key order does not matter. The payload is a zero-copy slice of `content`.
+/// Accepts envelope versions 1 and 2 (layout in the module docs and `docs/envelope.md`).
+/// Header keys other than `id`, `topic`, `content_type`, `headers` and (version 2 only)
+/// `emitted_by` are ignored, and JSON key order does not matter. A version-2 header without
+/// `emitted_by` decodes with [`Envelope::emitted_by`] `None`; one whose `emitted_by` is not a
+/// string of 1 to 255 bytes is an error. The payload is a zero-copy slice of `content`.
 ///
 /// # Errors
 /// [`EnvelopeError::Empty`], [`EnvelopeError::UnsupportedVersion`],
@@ -203,14 +224,16 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
     let Some(&version) = content.first() else {
         return Err(EnvelopeError::Empty);
     };
-    if version != VERSION_1 {
-        return Err(if (VERSION_1 + 1..=MAX_FUTURE_VERSION).contains(&version) {
-            EnvelopeError::UnsupportedVersion { version }
-        } else {
-            EnvelopeError::NotAnEnvelope {
-                first_byte: version,
-            }
-        });
+    if version != VERSION_1 && version != VERSION_2 {
+        return Err(
+            if (CURRENT_VERSION + 1..=MAX_FUTURE_VERSION).contains(&version) {
+                EnvelopeError::UnsupportedVersion { version }
+            } else {
+                EnvelopeError::NotAnEnvelope {
+                    first_byte: version,
+                }
+            },
+        );
     }
     let len_bytes: [u8; 4] = content
         .get(1..FIXED_LEN)
@@ -256,20 +279,36 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         }
     };
 
+    let emitted_by = if version == VERSION_2 {
+        match header.remove("emitted_by") {
+            None => None,
+            Some(Value::String(s)) => Some(s),
+            Some(other) => {
+                return Err(EnvelopeError::FieldNotString {
+                    field: "emitted_by",
+                    found: json_type(&other),
+                })
+            }
+        }
+    } else {
+        None
+    };
     let env = Envelope {
         message_id,
         topic,
         content_type,
         headers,
         payload: content.slice(header_end..),
+        emitted_by,
     };
     env.validate()?;
     Ok(env)
 }
 
-/// Encodes `env` as envelope version 1: exactly the bytes `outbox._envelope` in
-/// `sql/outbox.sql` produces for the same fields, except that the JSON header may use a
-/// different key order and whitespace (decoders must not care).
+/// Encodes `env`: as version 2 when it has an emitter ([`Envelope::emitted_by`]), else as
+/// version 1. Version 2 is exactly the bytes `outbox._envelope` in `sql/outbox.sql` produces
+/// for the same fields, except that the JSON header may use a different key order and
+/// whitespace (decoders must not care).
 ///
 /// Does not validate; call [`Envelope::validate`] first if `env` is not known to be valid.
 ///
@@ -278,17 +317,24 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
 /// cannot express.
 #[must_use]
 pub fn encode(env: &Envelope) -> Vec<u8> {
-    let header = serde_json::json!({
+    let mut header = serde_json::json!({
         "id": env.message_id,
         "topic": env.topic,
         "content_type": env.content_type,
         "headers": env.headers,
-    })
-    .to_string();
+    });
+    let version = match &env.emitted_by {
+        Some(who) => {
+            header["emitted_by"] = Value::String(who.clone());
+            VERSION_2
+        }
+        None => VERSION_1,
+    };
+    let header = header.to_string();
     let header_len = u32::try_from(header.len())
         .expect("envelope JSON header longer than 4 GiB cannot be encoded");
     let mut out = Vec::with_capacity(FIXED_LEN + header.len() + env.payload.len());
-    out.push(VERSION_1);
+    out.push(version);
     out.extend_from_slice(&header_len.to_be_bytes());
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(&env.payload);
@@ -303,11 +349,16 @@ impl Envelope {
     /// # Errors
     /// [`EnvelopeError::EmptyField`], [`EnvelopeError::FieldTooLong`],
     /// [`EnvelopeError::HeaderKeyTooLong`], [`EnvelopeError::ReservedHeaderKey`] or
-    /// [`EnvelopeError::ForbiddenHeaderKey`] for the first rule broken.
+    /// [`EnvelopeError::ForbiddenHeaderKey`] for the first rule broken. An emitter, when
+    /// present, must be 1 to 255 bytes ([`EnvelopeError::EmptyField`] or
+    /// [`EnvelopeError::FieldTooLong`] with field `emitted_by`).
     pub fn validate(&self) -> Result<(), EnvelopeError> {
         short_str("topic", &self.topic, false)?;
         short_str("id", &self.message_id, false)?;
         short_str("content_type", &self.content_type, true)?;
+        if let Some(who) = &self.emitted_by {
+            short_str("emitted_by", who, false)?;
+        }
         for key in self.headers.keys() {
             if key.len() > MAX_SHORT_STR {
                 return Err(EnvelopeError::HeaderKeyTooLong {
@@ -419,7 +470,119 @@ mod tests {
             content_type: "application/json".into(),
             headers,
             payload: Bytes::from_static(b"{\"a\": 1}"),
+            emitted_by: None,
         }
+    }
+
+    /// Version 2, as the current `sql/outbox.sql` writes it:
+    /// `SET ROLE plain; select encode(outbox._envelope('orders.created',
+    ///   convert_to('{"a": 1}'::jsonb::text, 'UTF8'), 'application/json',
+    ///   '{"tenant":"acme","n":5}', 'msg-1'), 'hex')` logged in as `postgres` on
+    /// PostgreSQL 15: `emitted_by` is the session user, not the role set.
+    const FIXTURE_V2_JSON: &str = "020000008f7b226964223a20226d73672d31222c2022746f706963223a\
+        20226f72646572732e63726561746564222c202268656164657273223a207b226e223a20352c20227465\
+        6e616e74223a202261636d65227d2c2022656d69747465645f6279223a2022706f737467726573222c20\
+        22636f6e74656e745f74797065223a20226170706c69636174696f6e2f6a736f6e227d7b2261223a2031\
+        7d";
+
+    /// Version 2: `select encode(outbox._envelope('t', '\x00ff00c3a9'::bytea,
+    ///   'application/octet-stream', '{}', 'id-2'), 'hex')` logged in as role `plain`.
+    const FIXTURE_V2_BYTES: &str = "020000006e7b226964223a202269642d32222c2022746f706963223a\
+        202274222c202268656164657273223a207b7d2c2022656d69747465645f6279223a2022706c61696e22\
+        2c2022636f6e74656e745f74797065223a20226170706c69636174696f6e2f6f637465742d7374726561\
+        6d227d00ff00c3a9";
+
+    #[test]
+    fn decodes_sql_v2_fixtures_with_the_emitter() {
+        let content = unhex(FIXTURE_V2_JSON);
+        assert_eq!(content.first(), Some(&VERSION_2));
+        let env = decode(content.clone()).unwrap();
+        assert_eq!(
+            env,
+            Envelope {
+                emitted_by: Some("postgres".into()),
+                ..sample()
+            }
+        );
+        assert_eq!(env.payload.as_ptr(), content[content.len() - 8..].as_ptr());
+        let env = decode(unhex(FIXTURE_V2_BYTES)).unwrap();
+        assert_eq!(env.emitted_by.as_deref(), Some("plain"));
+        assert_eq!(env.message_id, "id-2");
+        assert_eq!(env.content_type, "application/octet-stream");
+        assert_eq!(env.payload.as_ref(), b"\x00\xff\x00\xc3\xa9");
+        // Version 1 of the same message: no emitter.
+        assert_eq!(decode(unhex(FIXTURE_BYTES)).unwrap().emitted_by, None);
+    }
+
+    #[test]
+    fn v2_fixture_truncations_and_mutations() {
+        let full = unhex(FIXTURE_V2_BYTES);
+        let header_end = 5 + u32::from_be_bytes(full[1..5].try_into().unwrap()) as usize;
+        for n in 0..header_end {
+            assert!(decode(full.slice(..n)).is_err(), "{n}-byte prefix decoded");
+        }
+        for i in 0..full.len() {
+            for b in [0u8, 1, 2, b'"', b'{', 0xff] {
+                let mut v = full.to_vec();
+                v[i] = b;
+                let _ = decode(Bytes::from(v));
+            }
+        }
+        // The same bytes under version byte 1: the emitter is an unknown key, ignored.
+        let mut v1 = full.to_vec();
+        v1[0] = VERSION_1;
+        let env = decode(Bytes::from(v1)).unwrap();
+        assert_eq!(env.emitted_by, None);
+        assert_eq!(env.message_id, "id-2");
+    }
+
+    #[test]
+    fn v2_emitter_rules() {
+        let v2 = |header: &str| {
+            let mut v = with_header(header, b"p").to_vec();
+            v[0] = VERSION_2;
+            decode(Bytes::from(v))
+        };
+        // Without the field: decodes, no emitter (under lockdown: forged).
+        assert_eq!(v2(OK).unwrap().emitted_by, None);
+        let with = |who: &str| {
+            format!(
+                r#"{{"id":"i","topic":"t","content_type":"c","headers":{{}},"emitted_by":{who}}}"#
+            )
+        };
+        assert_eq!(
+            v2(&with("\"app\"")).unwrap().emitted_by.as_deref(),
+            Some("app")
+        );
+        assert!(matches!(
+            v2(&with("null")),
+            Err(EnvelopeError::FieldNotString {
+                field: "emitted_by",
+                found: "null"
+            })
+        ));
+        assert!(matches!(
+            v2(&with("\"\"")),
+            Err(EnvelopeError::EmptyField {
+                field: "emitted_by"
+            })
+        ));
+        assert!(matches!(
+            v2(&with(&format!("\"{}\"", "r".repeat(256)))),
+            Err(EnvelopeError::FieldTooLong {
+                field: "emitted_by",
+                len: 256
+            })
+        ));
+        // encode writes version 2 exactly when there is an emitter, and round-trips.
+        let env = Envelope {
+            emitted_by: Some("app_writer".into()),
+            ..sample()
+        };
+        let bytes = encode(&env);
+        assert_eq!(bytes[0], VERSION_2);
+        assert_eq!(decode(Bytes::from(bytes)).unwrap(), env);
+        assert_eq!(encode(&sample())[0], VERSION_1);
     }
 
     #[test]
@@ -504,7 +667,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "not a pgoutbox envelope: the content starts with byte 0x68 ('h'), where an envelope \
-             starts with its version (1); emit outbox messages with outbox.emit or \
+             starts with its version (1 or 2); emit outbox messages with outbox.emit or \
              outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly"
         );
         for content in [&b"{\"a\": 1}"[..], b"\x00\x00", b" x", b"\xff"] {
@@ -522,10 +685,10 @@ mod tests {
     #[test]
     fn framing_errors() {
         assert!(matches!(decode(Bytes::new()), Err(EnvelopeError::Empty)));
-        let err = decode(Bytes::from_static(b"\x02\0\0\0\0")).unwrap_err();
+        let err = decode(Bytes::from_static(b"\x03\0\0\0\0")).unwrap_err();
         assert!(matches!(
             err,
-            EnvelopeError::UnsupportedVersion { version: 2 }
+            EnvelopeError::UnsupportedVersion { version: 3 }
         ));
         assert!(err.to_string().contains("newer pgoutbox"), "{err}");
         assert!(matches!(

@@ -196,6 +196,12 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
             let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            // Before anything changes: --lockdown / --unlock need a superuser.
+            if args.lockdown {
+                admin::lockdown::require_superuser(&client, "--lockdown").await?;
+            } else if args.unlock {
+                admin::lockdown::require_superuser(&client, "--unlock").await?;
+            }
             let report = admin::setup(&client, &args.db.slot, &args.publication).await?;
             println!(
                 "setup done: slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
@@ -213,6 +219,16 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
                 },
                 report.confirmed_flush_lsn
             );
+            let lockdown = if args.lockdown {
+                Some(admin::lock(&client).await?)
+            } else if args.unlock {
+                Some(admin::unlock(&client).await?)
+            } else {
+                None
+            };
+            if let Some(state) = lockdown {
+                println!("lockdown: {}", state.describe());
+            }
             Ok(0)
         }
         Command::Status(args) => status(args).await,
@@ -427,6 +443,13 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
             }
         );
         println!("dead letters:           {}", num(r.dead_letters));
+        println!(
+            "lockdown:               {}",
+            r.lockdown
+                .as_ref()
+                .map(admin::LockdownState::describe)
+                .unwrap_or_else(|| "unknown".into())
+        );
         if r.newest_dead_letter_reason.is_some() {
             println!(
                 "newest dead letter:     {} at {}: {}",

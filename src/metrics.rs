@@ -56,7 +56,7 @@ pub const MESSAGES_NACKED_TOTAL: &str = "pgoutbox_messages_nacked_total";
 /// Counter: publishes returned as unroutable (312 NO_ROUTE).
 pub const MESSAGES_RETURNED_TOTAL: &str = "pgoutbox_messages_returned_total";
 /// Counter: messages written to `outbox.dead_letter`, label `reason` (`nacked`,
-/// `returned`, `poison`, `too_large`).
+/// `returned`, `poison`, `too_large`, `forged`).
 pub const MESSAGES_DEAD_LETTERED_TOTAL: &str = "pgoutbox_messages_dead_lettered_total";
 /// Counter: publishes that were retries of a nacked or returned message.
 pub const MESSAGES_RETRIED_TOTAL: &str = "pgoutbox_messages_retried_total";

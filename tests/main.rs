@@ -12,6 +12,7 @@ mod faults;
 mod hardening;
 mod harness_smoke;
 mod lifecycle;
+mod lockdown;
 mod observability;
 mod operations;
 mod proxy_smoke;

@@ -655,12 +655,16 @@ pub struct HealthReport {
     pub pending_outbox_messages_unknown: Option<String>,
     /// Dead letters not requeued; null when `outbox.dead_letter` cannot be read.
     pub dead_letters: Option<i64>,
-    /// The newest such dead letter's reason (`nacked`, `returned`, `poison`, `too_large`).
+    /// The newest such dead letter's reason (`nacked`, `returned`, `poison`, `too_large`,
+    /// `forged`).
     pub newest_dead_letter_reason: Option<String>,
     /// Its last error.
     pub newest_dead_letter_error: Option<String>,
     /// When it was dead-lettered, RFC 3339 UTC.
     pub newest_dead_letter_at: Option<String>,
+    /// Whether `setup --lockdown` is in effect in this database (information only: it never
+    /// changes `severity`); null when it could not be read.
+    pub lockdown: Option<super::lockdown::LockdownState>,
     /// The worst of `problems` (healthy when none).
     pub severity: Severity,
     /// What is wrong, worst first.
@@ -813,6 +817,8 @@ pub async fn health(
             format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())),
         ),
     }
+    // Information only: never a problem, never the exit code.
+    let lockdown = super::lockdown::lockdown_state(client).await.ok();
     problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
     let severity = problems
         .first()
@@ -839,6 +845,7 @@ pub async fn health(
         newest_dead_letter_reason: reason,
         newest_dead_letter_error: error,
         newest_dead_letter_at: at,
+        lockdown,
         severity,
         problems,
     })

@@ -5,7 +5,8 @@
 //!   takes the slot (including the privileges it needs to write dead letters), and the outbox
 //!   messages a slot still holds;
 //! - [`dead_letters`]: `outbox.dead_letter`: the streamer's writes, and the `dead-letters`
-//!   commands (list, requeue, purge).
+//!   commands (list, requeue, purge);
+//! - [`lockdown`]: `setup --lockdown` / `--unlock` and the lockdown record.
 //!
 //! This module holds the connection itself: [`connect`] and [`describe_target`].
 
@@ -15,6 +16,7 @@ use crate::error::Error;
 
 pub mod dead_letters;
 pub mod inspection;
+pub mod lockdown;
 pub mod provisioning;
 
 pub use dead_letters::{
@@ -27,6 +29,7 @@ pub use inspection::{
     LagThresholds, Payloads, PeekReport, Problem, Severity, SlotRetention, SlotStatus,
     WaitingCount, WaitingEnvelope, WaitingMessage,
 };
+pub use lockdown::{lock, lockdown_state, unlock, LockdownState};
 pub use provisioning::{
     check_replication_role, check_wal_level, publication_exists, setup, teardown, SetupReport,
     TeardownReport,

@@ -258,6 +258,7 @@ struct Connected {
     publisher: Publisher<u64>,
     dead_letters: DeadLetterWriter,
     start: Lsn,
+    lockdown: crate::lockdown::Lockdown,
 }
 
 /// One session: connect (racing shutdown), stream, and return on shutdown (`Ok`) or the
@@ -286,6 +287,7 @@ async fn run_session(
         mut publisher,
         dead_letters,
         start,
+        lockdown,
     } = connected;
     telemetry.session_started();
     let mut core = Core::new(
@@ -297,6 +299,7 @@ async fn run_session(
         memory.broker_limit.clone(),
         std::mem::take(summary),
         Arc::clone(telemetry),
+        lockdown,
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
     memory.resume = Some(core.flushed());
@@ -339,6 +342,10 @@ async fn connect(
     admin::preflight(&sql, &config.slot, &config.publication).await?;
     let application_name = format!("pgoutbox-{}", config.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
+    // Read before START_REPLICATION: a lockdown committed after this read is decoded in the
+    // stream (its marker), one committed before it is in the record (crate::lockdown).
+    let lockdown_state = admin::lockdown_state(&sql).await?;
+    let lockdown = crate::lockdown::Lockdown::from_record(lockdown_state.since());
     let dead_letters = DeadLetterWriter::connect(pg).await?;
     let publisher_config = PublisherConfig {
         amqp_url: config.amqp_url.clone(),
@@ -365,6 +372,7 @@ async fn connect(
         status_interval_ms = interval.as_millis() as u64,
         max_in_flight = config.max_in_flight,
         max_in_flight_bytes = config.max_in_flight_bytes,
+        lockdown_lsn = %lockdown.since().map(|l| l.to_string()).unwrap_or_else(|| "off".into()),
         "streaming"
     );
     Ok(Connected {
@@ -373,6 +381,7 @@ async fn connect(
         publisher,
         dead_letters,
         start,
+        lockdown,
     })
 }
 

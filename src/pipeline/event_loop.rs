@@ -22,6 +22,7 @@ use super::RunSummary;
 use crate::config::{Failpoint, RunConfig, UnroutablePolicy, MESSAGE_PREFIX};
 use crate::envelope;
 use crate::error::Error;
+use crate::lockdown::{self, Lockdown, MarkerEffect};
 use crate::lsn::Lsn;
 use crate::metrics::{unix_now_us, LatencyBatch, Phase, Telemetry, Turn};
 use crate::pgoutput::{self, LogicalMessage};
@@ -78,6 +79,9 @@ pub(super) struct Core {
     telemetry: Arc<Telemetry>,
     /// Confirm latencies of this turn, added to the histogram at its end.
     latency: LatencyBatch,
+    /// Whether `setup --lockdown` is in effect, from the record read at session start and
+    /// the markers seen since (see [`crate::lockdown`] for why that is exact).
+    lockdown: Lockdown,
 }
 
 impl Core {
@@ -93,6 +97,7 @@ impl Core {
         broker_limit: Option<BrokerLimit>,
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
+        lockdown: Lockdown,
     ) -> Self {
         let stall = StallWatch::new(config.stall_after);
         Core {
@@ -111,6 +116,7 @@ impl Core {
             server_wal_end: start,
             telemetry,
             latency: LatencyBatch::default(),
+            lockdown,
         }
     }
 
@@ -577,6 +583,14 @@ impl Core {
         })
     }
 
+    /// The dead letter's error for a `forged` message at `lsn` that is `what`.
+    fn forged_error(&self, lsn: Lsn, what: &str) -> String {
+        format!(
+            "forged: the outbox message at {lsn} is {what}, written after the lockdown at {} (setup --lockdown); outbox.emit/emit_bytes never write that, so it was written with pg_logical_emit_message directly (by a superuser, or by a call that raced the lockdown)",
+            self.lockdown.since().unwrap_or_default()
+        )
+    }
+
     /// A dead letter is committed: settle its message.
     fn on_dead_letter_written(&mut self, written: Written) -> Result<(), Error> {
         let job = written.job;
@@ -661,18 +675,59 @@ impl Core {
                 self.received = self.received.max(c.end_lsn);
                 self.current_txn = None;
             }
+            LogicalMessage::Message(m) if m.has_prefix(lockdown::MARKER_PREFIX.as_bytes()) => {
+                match self.lockdown.on_marker(m.lsn, &m.content, m.transactional) {
+                    MarkerEffect::Locked(since) => tracing::warn!(
+                        marker_lsn = %m.lsn,
+                        lockdown_lsn = %since,
+                        "lockdown in effect (setup --lockdown): outbox messages after the lockdown LSN that were not written by outbox.emit/emit_bytes are dead-lettered as forged"
+                    ),
+                    MarkerEffect::Unlocked => tracing::warn!(
+                        marker_lsn = %m.lsn,
+                        "lockdown lifted (setup --unlock): outbox messages are no longer checked for their emitter"
+                    ),
+                    MarkerEffect::Ignored => {
+                        tracing::debug!(marker_lsn = %m.lsn, transactional = m.transactional, "lockdown marker changes nothing")
+                    }
+                }
+            }
             LogicalMessage::Message(m) if m.has_prefix(MESSAGE_PREFIX.as_bytes()) => {
+                let locked = self.lockdown.covers(m.lsn);
                 let Some((commit_lsn, commit_time_us)) =
                     self.current_txn.filter(|_| m.transactional)
                 else {
-                    return self.dead_letter_unpublished(
-                        m.lsn,
-                        None,
-                        m.content,
-                        "poison",
-                        "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)".into(),
-                    );
+                    let (reason, error) = if locked {
+                        (
+                            "forged",
+                            self.forged_error(m.lsn, "a non-transactional message"),
+                        )
+                    } else {
+                        ("poison", "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)".into())
+                    };
+                    return self.dead_letter_unpublished(m.lsn, None, m.content, reason, error);
                 };
+                // Under lockdown, only a version-2 envelope with an emitter came through
+                // the current helpers; anything else is forged, decodable or not.
+                let mut checked = None;
+                if locked {
+                    match envelope::decode(m.content.clone()) {
+                        Ok(env) if env.emitted_by.is_some() => checked = Some(env),
+                        other => {
+                            let what = match other {
+                                Ok(_) => "an envelope without an emitter (version 1, or version 2 without emitted_by)".to_owned(),
+                                Err(e) => format!("no valid envelope ({e})"),
+                            };
+                            let error = self.forged_error(m.lsn, &what);
+                            return self.dead_letter_unpublished(
+                                m.lsn,
+                                Some(commit_lsn),
+                                m.content,
+                                "forged",
+                                error,
+                            );
+                        }
+                    }
+                }
                 if m.content.len() > self.config.max_message_bytes {
                     let error = format!(
                         "message of {} bytes (envelope) exceeds --max-message-bytes {}",
@@ -687,7 +742,11 @@ impl Core {
                         error,
                     );
                 }
-                let env = match envelope::decode(m.content.clone()) {
+                let decoded = match checked {
+                    Some(env) => Ok(env),
+                    None => envelope::decode(m.content.clone()),
+                };
+                let env = match decoded {
                     Ok(env) => env,
                     Err(reason) => {
                         let error = format!("undecodable outbox message (poison): {reason}");
@@ -730,6 +789,7 @@ impl Core {
                     content: m.content,
                     attempts: 0,
                     first_error: None,
+                    emitter_checked: locked,
                 });
                 self.publish(seq, Some(env), publisher)?;
             }

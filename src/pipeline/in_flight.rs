@@ -16,7 +16,7 @@ use amq_protocol::types::ShortString;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{HEADER_COMMIT_LSN, HEADER_COMMIT_TIME_US, HEADER_LSN};
+use super::{HEADER_COMMIT_LSN, HEADER_COMMIT_TIME_US, HEADER_EMITTED_BY, HEADER_LSN};
 use crate::config::PublishProperties;
 use crate::envelope::{self, Envelope};
 use crate::lsn::Lsn;
@@ -46,6 +46,9 @@ pub(super) struct InFlight {
     pub attempts: u32,
     /// The first failure, kept for the dead letter.
     pub first_error: Option<String>,
+    /// Read under `setup --lockdown`: its emitter was required (and present), so the
+    /// emitter header can be trusted.
+    pub emitter_checked: bool,
 }
 
 impl InFlight {
@@ -60,7 +63,9 @@ impl InFlight {
     /// seconds, and headers (the producer's, then ours: message LSN, commit LSN as `X/Y`
     /// text, commit time in µs); returns are matched by the message LSN. With
     /// [`PublishProperties::Minimal`]: persistent, message id and the producer's headers
-    /// only (none when it set none); returns are matched by the message id.
+    /// only (none when it set none); returns are matched by the message id. In both, the
+    /// emitter header when the message was checked under lockdown
+    /// ([`InFlight::emitter_checked`]): only then can it be trusted.
     ///
     /// # Errors
     /// A text naming what does not fit AMQP (a topic, message id or content type over 255
@@ -81,6 +86,9 @@ impl InFlight {
                 insert_text(&mut headers, HEADER_LSN, self.lsn.to_string());
                 insert_text(&mut headers, HEADER_COMMIT_LSN, self.commit_lsn.to_string());
                 insert_i64(&mut headers, HEADER_COMMIT_TIME_US, self.commit_time_us);
+                if let Some(who) = env.emitted_by.filter(|_| self.emitter_checked) {
+                    insert_text(&mut headers, HEADER_EMITTED_BY, who);
+                }
                 let properties = BasicProperties::default()
                     .with_message_id(message_id)
                     .with_content_type(content_type)
@@ -93,8 +101,13 @@ impl InFlight {
                 let mut properties = BasicProperties::default()
                     .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
                     .with_message_id(message_id.clone());
-                if !env.headers.is_empty() {
-                    properties = properties.with_headers(headers_from_json(&env.headers));
+                let emitter = env.emitted_by.filter(|_| self.emitter_checked);
+                if !env.headers.is_empty() || emitter.is_some() {
+                    let mut headers = headers_from_json(&env.headers);
+                    if let Some(who) = emitter {
+                        insert_text(&mut headers, HEADER_EMITTED_BY, who);
+                    }
+                    properties = properties.with_headers(headers);
                 }
                 (properties, MatchKey::MessageId(message_id))
             }
@@ -199,6 +212,7 @@ mod tests {
             content: Bytes::new(),
             attempts: 0,
             first_error: None,
+            emitter_checked: false,
         }
     }
 

@@ -52,6 +52,11 @@ pub const HEADER_LSN: &str = crate::publisher::MATCH_KEY_HEADER;
 pub const HEADER_COMMIT_LSN: &str = "x-pgoutbox-commit-lsn";
 /// Header with the commit time, microseconds since the Unix epoch.
 pub const HEADER_COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
+/// Header with the role that emitted the message (the envelope's `emitted_by`, the
+/// `session_user` that called `outbox.emit`), under both `--publish-properties` shapes, on
+/// messages checked under `setup --lockdown` only: there it can be trusted (short of a
+/// superuser); without lockdown any role may write any emitter, so it is left out.
+pub const HEADER_EMITTED_BY: &str = "x-pgoutbox-emitted-by";
 
 /// What a run did, returned on a clean shutdown.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -1,0 +1,47 @@
+-- pgoutbox unlock (`pgoutbox setup --unlock`): undoes sql/lockdown.sql in this database.
+--
+-- Run in one transaction, as a superuser. GRANTs EXECUTE on every overload of
+-- pg_catalog.pg_logical_emit_message back to PUBLIC (the default) and revokes
+-- pgoutbox_emitter's own grant, makes outbox.emit / outbox.emit_bytes SECURITY INVOKER
+-- again, owned by their owner before the lockdown (when that role still exists), deletes
+-- the outbox.lockdown record and writes the marker 'off' (prefix pgoutbox.lockdown), after
+-- which the streamer checks no emitter any more. The role pgoutbox_emitter is kept: it is
+-- cluster-wide and may serve the lockdown of another database.
+--
+-- Idempotent: without a lockdown record it only re-asserts the default privileges.
+
+DO $unlock$
+DECLARE
+    f    regprocedure;
+    prev text;
+BEGIN
+    LOCK TABLE outbox.lockdown IN EXCLUSIVE MODE;
+
+    FOR f IN
+        SELECT p.oid::regprocedure
+          FROM pg_catalog.pg_proc p
+         WHERE p.proname = 'pg_logical_emit_message'
+           AND p.pronamespace = 'pg_catalog'::regnamespace
+    LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION %s TO PUBLIC', f);
+        IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'pgoutbox_emitter') THEN
+            EXECUTE pg_catalog.format('REVOKE EXECUTE ON FUNCTION %s FROM pgoutbox_emitter', f);
+        END IF;
+    END LOOP;
+
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY INVOKER;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY INVOKER;
+
+    DELETE FROM outbox.lockdown RETURNING previous_owner INTO prev;
+    IF FOUND THEN
+        IF prev IS NOT NULL
+           AND EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = prev) THEN
+            EXECUTE pg_catalog.format(
+                'ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) OWNER TO %I', prev);
+            EXECUTE pg_catalog.format(
+                'ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) OWNER TO %I', prev);
+        END IF;
+        PERFORM pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'off');
+    END IF;
+END;
+$unlock$;
