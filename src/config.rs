@@ -388,7 +388,11 @@ impl std::fmt::Debug for RunConfig {
             .field("database_url", &redact_url(&self.database_url))
             .field(
                 "amqp_urls",
-                &self.amqp_urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>(),
+                &self
+                    .amqp_urls
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
             )
             .field("amqp_url_order", &self.amqp_url_order)
             .field("slot", &self.slot)
@@ -819,7 +823,10 @@ mod tests {
         );
         c.amqp_urls = vec!["amqp://g:g@a/%2f".into(), "http://b".into()];
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("URL 2 of 2") && e.contains("expected amqp://"), "{e}");
+        assert!(
+            e.contains("URL 2 of 2") && e.contains("expected amqp://"),
+            "{e}"
+        );
         c.amqp_urls = vec!["amqp://g:g@a/%2f".into(), "amqps://g:g@b/%2f".into()];
         assert!(c.validate().is_ok());
     }

@@ -455,6 +455,9 @@ mod tests {
         let e = parse(p, "amqp_url_order = \"random\"\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("\"amqp_url_order\"") && e.contains("shuffle"), "{e}");
+        assert!(
+            e.contains("\"amqp_url_order\"") && e.contains("shuffle"),
+            "{e}"
+        );
     }
 }

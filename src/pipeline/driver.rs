@@ -102,7 +102,11 @@ impl BrokerNodes {
     /// starts at the following node.
     fn session_ended(&mut self, used: usize, broker_lost: bool) {
         let n = self.urls.len().max(1);
-        self.next = if broker_lost { (used + 1) % n } else { used % n };
+        self.next = if broker_lost {
+            (used + 1) % n
+        } else {
+            used % n
+        };
     }
 }
 

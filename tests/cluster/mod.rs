@@ -20,9 +20,13 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
     let cluster = RabbitCluster::start(3);
     let (boot_rss, _) = cluster.memory_kib();
     // The example production topology in deploy/ loads into the cluster as written.
-    let definitions = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/rabbitmq/definitions.json");
+    let definitions = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/rabbitmq/definitions.json"
+    );
     cluster.nodes[0].ctl_ok(&["import_definitions", definitions]);
-    let queues = cluster.nodes[0].ctl_ok(&["-q", "list_queues", "name", "type", "--no-table-headers"]);
+    let queues =
+        cluster.nodes[0].ctl_ok(&["-q", "list_queues", "name", "type", "--no-table-headers"]);
     for (queue, kind) in [
         ("pgoutbox.events", "quorum"),
         ("pgoutbox.dead", "quorum"),
@@ -91,7 +95,10 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
                 async move { ok }
             })
             .await;
-            assert!(ok, "the streamer's connection (want node {want:?}, saw {found:?})");
+            assert!(
+                ok,
+                "the streamer's connection (want node {want:?}, saw {found:?})"
+            );
             found.unwrap()
         }
     };
@@ -161,7 +168,13 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
 
     // 5. Drain through a live node and audit by message id.
     ob.amqp_url = urls[third].clone();
-    let got = consume_queue(&urls[third], &ob.queue, sent, scaled(Duration::from_secs(30))).await;
+    let got = consume_queue(
+        &urls[third],
+        &ob.queue,
+        sent,
+        scaled(Duration::from_secs(30)),
+    )
+    .await;
     let mut copies: HashMap<String, usize> = HashMap::new();
     for m in &got {
         *copies
@@ -211,7 +224,11 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
     );
     // Each failover shows in the streamer's log, naming the node it moved to.
     let log = streamer.log();
-    for (i, url) in [(first, &urls[first]), (second, &urls[second]), (third, &urls[third])] {
+    for (i, url) in [
+        (first, &urls[first]),
+        (second, &urls[second]),
+        (third, &urls[third]),
+    ] {
         let redacted = url.replace("guest:guest@", "guest:***@");
         assert!(
             log.lines()

@@ -45,8 +45,7 @@ impl RabbitCluster {
         std::fs::create_dir_all(&home).expect("mkdir home");
         set_mode(&home, 0o700);
         let cookie = home.join(".erlang.cookie");
-        std::fs::write(&cookie, format!("PGOUTBOXCLUSTER{}", std::process::id()))
-            .expect("cookie");
+        std::fs::write(&cookie, format!("PGOUTBOXCLUSTER{}", std::process::id())).expect("cookie");
         set_mode(&cookie, 0o400);
         let epmd_port = free_port();
         std::fs::write(
@@ -181,7 +180,10 @@ pub async fn declare_bound_quorum_queue(amqp_url: &str, exchange: &str, queue: &
     .await
     .expect("exchange_declare");
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {

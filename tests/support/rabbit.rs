@@ -331,16 +331,9 @@ impl RabbitMq {
     /// waits until the AMQP port is closed and the launcher is reaped.
     pub fn kill(&self) {
         if let Some(pid) = self.beam_pid() {
-            let _ = Command::new("kill")
-                .args(["-9", &pid.to_string()])
-                .status();
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         }
-        if let Some(mut child) = self
-            .server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(mut child) = self.server.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = Command::new("kill")
                 .args(["-9", "--", &format!("-{}", child.id())])
                 .status();
@@ -349,7 +342,11 @@ impl RabbitMq {
         let closed = super::wait_until_blocking(super::scaled(Duration::from_secs(10)), || {
             !port_open(self.amqp_port)
         });
-        assert!(closed, "AMQP port {} still open after the kill", self.amqp_port);
+        assert!(
+            closed,
+            "AMQP port {} still open after the kill",
+            self.amqp_port
+        );
     }
 
     /// Starts the node again after [`RabbitMq::kill`] (same name, ports and data), and
