@@ -540,16 +540,21 @@ pub fn split_amqp_urls<S: AsRef<str>>(values: &[S]) -> Vec<String> {
                 current.push_str(piece);
                 continue;
             }
-            if !current.trim().is_empty() {
-                out.push(current.trim().to_owned());
-            }
+            push_url(&mut out, &current);
             current = piece.to_owned();
         }
-        if !current.trim().is_empty() {
-            out.push(current.trim().to_owned());
-        }
+        push_url(&mut out, &current);
     }
     out
+}
+
+/// Pushes one URL of [`split_amqp_urls`], without surrounding blanks or trailing commas
+/// (`amqp://a,` ends a list), unless nothing is left.
+fn push_url(out: &mut Vec<String>, piece: &str) {
+    let url = piece.trim().trim_end_matches(',').trim_end();
+    if !url.is_empty() {
+        out.push(url.to_owned());
+    }
 }
 
 /// The nodes in the order `run` tries them: `urls` as given for

@@ -393,8 +393,10 @@ mod tests {
         assert_eq!(flags, keys);
         // And every key deserializes (deny_unknown_fields knows it).
         for (key, _) in KEYS {
-            let e = parse(Path::new("f.toml"), &format!("{key} = []")).unwrap_err();
-            assert!(!e.to_string().contains("unknown key"), "{key}: {e}");
+            // (`amqp_url = []` is even valid: an array of URLs, found empty later.)
+            if let Err(e) = parse(Path::new("f.toml"), &format!("{key} = []")) {
+                assert!(!e.to_string().contains("unknown key"), "{key}: {e}");
+            }
         }
     }
 
