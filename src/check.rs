@@ -265,8 +265,43 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
     }
 }
 
+/// Checks every `--amqp-url` node. With several, each finding's text starts with the node
+/// (URL without its password), and a node that fails while another passes is a warning,
+/// not a problem: `run` fails over to the nodes that answer.
 async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
-    let endpoint = match Endpoint::parse(&config.amqp_url) {
+    if config.amqp_urls.len() <= 1 {
+        for url in &config.amqp_urls {
+            broker_node(config, url, out).await;
+        }
+        return;
+    }
+    let total = config.amqp_urls.len();
+    let mut per_node = Vec::with_capacity(total);
+    for url in &config.amqp_urls {
+        let mut found = Vec::new();
+        broker_node(config, url, &mut found).await;
+        per_node.push((crate::config::redact_url(url), found));
+    }
+    let healthy = per_node
+        .iter()
+        .filter(|(_, f)| f.iter().all(|f| f.severity != Severity::Problem))
+        .count();
+    for (i, (url, found)) in per_node.into_iter().enumerate() {
+        for mut f in found {
+            f.text = format!("node {} of {total} ({url}): {}", i + 1, f.text);
+            if f.severity == Severity::Problem && healthy > 0 {
+                f.severity = Severity::Warning;
+                f.text.push_str(&format!(
+                    " ({healthy} of {total} nodes pass: `run` fails over to those, but this one cannot take over)"
+                ));
+            }
+            out.push(f);
+        }
+    }
+}
+
+async fn broker_node(config: &RunConfig, amqp_url: &str, out: &mut Vec<Finding>) {
+    let endpoint = match Endpoint::parse(amqp_url) {
         Ok(e) => e,
         Err(e) => {
             out.push(finding(Severity::Problem, "broker", e.to_string()));

@@ -205,6 +205,16 @@ pub enum PublishPropertiesArg {
     Minimal,
 }
 
+/// `--amqp-url-order`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AmqpUrlOrderArg {
+    /// As given.
+    InOrder,
+    /// Shuffled once at start.
+    Shuffle,
+}
+
 /// Connection to Postgres and the slot's name.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
@@ -250,9 +260,15 @@ pub struct RunArgs {
     pub db: DbArgs,
     /// RabbitMQ URL: amqp://user:password@host:port/vhost, or amqps:// for TLS (verified
     /// against the system's CAs, or ?cacertfile=/path/ca.pem; client certificate with
-    /// certfile= and keyfile=; server_name_indication= to verify another name).
-    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true)]
-    pub amqp_url: String,
+    /// certfile= and keyfile=; server_name_indication= to verify another name). For a
+    /// cluster, repeat it (or separate URLs with commas) once per node: `run` connects to
+    /// the first node that answers and fails over to the next when the connection is lost.
+    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true, action = clap::ArgAction::Append, required = true)]
+    pub amqp_url: Vec<String>,
+    /// The order the --amqp-url nodes are tried in: `in-order` (as given) or `shuffle`
+    /// (shuffled once at start, so several streamers spread over the nodes).
+    #[arg(long, env = "PGOUTBOX_AMQP_URL_ORDER", value_enum, default_value_t = AmqpUrlOrderArg::InOrder)]
+    pub amqp_url_order: AmqpUrlOrderArg,
     /// Publication name.
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,
@@ -347,7 +363,11 @@ impl RunArgs {
         });
         RunConfig {
             database_url: self.db.database_url,
-            amqp_url: self.amqp_url,
+            amqp_urls: crate::config::split_amqp_urls(&self.amqp_url),
+            amqp_url_order: match self.amqp_url_order {
+                AmqpUrlOrderArg::InOrder => crate::config::AmqpUrlOrder::InOrder,
+                AmqpUrlOrderArg::Shuffle => crate::config::AmqpUrlOrder::Shuffle,
+            },
             slot: self.db.slot,
             publication: self.publication,
             exchange: self.exchange,

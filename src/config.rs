@@ -328,8 +328,12 @@ pub fn parse_database_url(url: &str) -> Result<tokio_postgres::Config, Validatio
 pub struct RunConfig {
     /// Postgres connection string (its database holds the slot).
     pub database_url: String,
-    /// `amqp://` or `amqps://` URL of the broker (TLS parameters in its query).
-    pub amqp_url: String,
+    /// `amqp://` or `amqps://` URLs of the broker's nodes (TLS parameters in each query),
+    /// at least one, as given (see [`split_amqp_urls`]); [`RunConfig::amqp_url_order`]
+    /// says in which order they are tried.
+    pub amqp_urls: Vec<String>,
+    /// The order the nodes of `amqp_urls` are tried in (`--amqp-url-order`).
+    pub amqp_url_order: AmqpUrlOrder,
     /// Logical replication slot (pgoutput).
     pub slot: String,
     /// Publication named in `publication_names`.
@@ -382,7 +386,15 @@ impl std::fmt::Debug for RunConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunConfig")
             .field("database_url", &redact_url(&self.database_url))
-            .field("amqp_url", &redact_url(&self.amqp_url))
+            .field(
+                "amqp_urls",
+                &self
+                    .amqp_urls
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
+            .field("amqp_url_order", &self.amqp_url_order)
             .field("slot", &self.slot)
             .field("publication", &self.publication)
             .field("exchange", &self.exchange)
@@ -411,23 +423,7 @@ impl RunConfig {
     /// The first [`ValidationError`] found.
     pub fn validate(&self) -> Result<(), ValidationError> {
         parse_database_url(&self.database_url)?;
-        if !(self.amqp_url.starts_with("amqp://") || self.amqp_url.starts_with("amqps://")) {
-            return Err(ValidationError {
-                setting: "--amqp-url",
-                value: redact_url(&self.amqp_url),
-                rule: "expected amqp://user:password@host:port/vhost".into(),
-            });
-        }
-        // Parsed here as the publisher will parse it (TLS parameters included), so a
-        // malformed URL is a usage error at start, not a connect failure retried for ever.
-        // The TLS files are read when connecting.
-        if let Err(e) = crate::publisher::socket::Endpoint::parse(&self.amqp_url) {
-            return Err(ValidationError {
-                setting: "--amqp-url",
-                value: redact_url(&self.amqp_url),
-                rule: e.to_string(),
-            });
-        }
+        validate_amqp_urls(&self.amqp_urls)?;
         validate_identifier("--slot", &self.slot)?;
         validate_identifier("--publication", &self.publication)?;
         if self.exchange.is_empty() || self.exchange.len() > 255 {
@@ -514,6 +510,102 @@ impl RunConfig {
         )?;
         Ok(())
     }
+}
+
+/// The order in which the nodes named by `--amqp-url` are tried (`--amqp-url-order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AmqpUrlOrder {
+    /// As given: the first pass starts at the first URL.
+    #[default]
+    InOrder,
+    /// Shuffled once when `run` starts, so several streamers spread over the nodes; the
+    /// shuffled order is then kept like an order given.
+    Shuffle,
+}
+
+/// Splits `--amqp-url` values into one URL per node: each value may itself be a
+/// comma-separated list (`PGOUTBOX_AMQP_URL=amqp://a,amqp://b`). A comma splits only where
+/// `amqp://` or `amqps://` follows it, so a comma inside a URL (a password, a query) is
+/// kept. Blanks around each URL are trimmed and empty pieces dropped.
+pub fn split_amqp_urls<S: AsRef<str>>(values: &[S]) -> Vec<String> {
+    let mut out = Vec::new();
+    for value in values {
+        let value = value.as_ref();
+        let mut current = String::new();
+        for (i, piece) in value.split(',').enumerate() {
+            let trimmed = piece.trim_start();
+            let starts_node = trimmed.starts_with("amqp://") || trimmed.starts_with("amqps://");
+            if i > 0 && !starts_node {
+                current.push(',');
+                current.push_str(piece);
+                continue;
+            }
+            push_url(&mut out, &current);
+            current = piece.to_owned();
+        }
+        push_url(&mut out, &current);
+    }
+    out
+}
+
+/// Pushes one URL of [`split_amqp_urls`], without surrounding blanks or trailing commas
+/// (`amqp://a,` ends a list), unless nothing is left.
+fn push_url(out: &mut Vec<String>, piece: &str) {
+    let url = piece.trim().trim_end_matches(',').trim_end();
+    if !url.is_empty() {
+        out.push(url.to_owned());
+    }
+}
+
+/// The nodes in the order `run` tries them: `urls` as given for
+/// [`AmqpUrlOrder::InOrder`], shuffled with `seed` for [`AmqpUrlOrder::Shuffle`] (the
+/// caller passes a random seed; a fixed one makes the order reproducible in tests).
+pub fn order_amqp_urls(urls: &[String], order: AmqpUrlOrder, seed: u64) -> Vec<String> {
+    let mut urls = urls.to_vec();
+    if order == AmqpUrlOrder::Shuffle {
+        fastrand::Rng::with_seed(seed).shuffle(&mut urls);
+    }
+    urls
+}
+
+/// Validates every `--amqp-url` (at least one, each `amqp://` or `amqps://` and parsed as
+/// the publisher will parse it, TLS parameters included, so a malformed URL is a usage
+/// error at start, not a connect failure retried for ever; the TLS files are read when
+/// connecting).
+///
+/// # Errors
+/// [`ValidationError`] for `--amqp-url` naming the (redacted) URL at fault, and which of
+/// several it is.
+pub fn validate_amqp_urls(urls: &[String]) -> Result<(), ValidationError> {
+    if urls.is_empty() {
+        return Err(ValidationError {
+            setting: "--amqp-url",
+            value: String::new(),
+            rule: "give at least one amqp://user:password@host:port/vhost (repeat --amqp-url, or separate URLs with commas, for the nodes of a cluster)".into(),
+        });
+    }
+    for (i, url) in urls.iter().enumerate() {
+        let which = if urls.len() > 1 {
+            format!(" (URL {} of {})", i + 1, urls.len())
+        } else {
+            String::new()
+        };
+        if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: format!("{}{which}", redact_url(url)),
+                rule: "expected amqp://user:password@host:port/vhost".into(),
+            });
+        }
+        if let Err(e) = crate::publisher::socket::Endpoint::parse(url) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: format!("{}{which}", redact_url(url)),
+                rule: e.to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks `min <= value <= max` for a numeric setting.
@@ -612,7 +704,8 @@ mod tests {
     fn base() -> RunConfig {
         let config = RunConfig {
             database_url: "postgres://u@h/db".into(),
-            amqp_url: "amqp://g:g@h/%2f".into(),
+            amqp_urls: vec!["amqp://g:g@h/%2f".into()],
+            amqp_url_order: AmqpUrlOrder::InOrder,
             slot: DEFAULT_SLOT.into(),
             publication: DEFAULT_PUBLICATION.into(),
             exchange: DEFAULT_EXCHANGE.into(),
@@ -665,7 +758,7 @@ mod tests {
             ("amqp://g:secret@[::1/%2f", "invalid IPv6"),
         ] {
             let mut c = base();
-            c.amqp_url = url.into();
+            c.amqp_urls = vec![url.into()];
             let e = c.validate().unwrap_err();
             assert_eq!(e.setting, "--amqp-url", "{url}");
             let text = e.to_string();
@@ -676,6 +769,71 @@ mod tests {
             );
             assert!(!text.contains("secret"), "{text}");
         }
+    }
+
+    #[test]
+    fn amqp_url_lists_split_on_commas_before_a_scheme_only() {
+        let one = |v: &str| split_amqp_urls(&[v]);
+        assert_eq!(one("amqp://a"), ["amqp://a"]);
+        assert_eq!(
+            one("amqp://a:1/%2f,amqps://b:2/%2f, amqp://c:3/%2f"),
+            ["amqp://a:1/%2f", "amqps://b:2/%2f", "amqp://c:3/%2f"]
+        );
+        // A comma inside a password or a query stays in its URL.
+        assert_eq!(
+            one("amqp://u:p,w@a/%2f?heartbeat=5,amqp://u:x@b/%2f"),
+            ["amqp://u:p,w@a/%2f?heartbeat=5", "amqp://u:x@b/%2f"]
+        );
+        // Repeated flags and lists mix; empty pieces are dropped.
+        assert_eq!(
+            split_amqp_urls(&["amqp://a,", " ", "amqp://b,amqp://c"]),
+            ["amqp://a", "amqp://b", "amqp://c"]
+        );
+        assert!(split_amqp_urls::<&str>(&[]).is_empty());
+        // Something that is not a URL is kept as one piece, so validation names it.
+        assert_eq!(one("rabbit1,rabbit2"), ["rabbit1,rabbit2"]);
+    }
+
+    #[test]
+    fn amqp_url_order_keeps_or_shuffles_every_node() {
+        let urls: Vec<String> = (1..=5).map(|i| format!("amqp://n{i}")).collect();
+        assert_eq!(order_amqp_urls(&urls, AmqpUrlOrder::InOrder, 7), urls);
+        let shuffled = order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7);
+        assert_eq!(shuffled, order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7));
+        let mut sorted = shuffled.clone();
+        sorted.sort();
+        assert_eq!(sorted, urls, "a shuffle keeps every node once");
+        // Over a few seeds every node comes first at least once.
+        let firsts: std::collections::HashSet<String> = (0..64)
+            .map(|seed| order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, seed)[0].clone())
+            .collect();
+        assert_eq!(firsts.len(), urls.len());
+    }
+
+    #[test]
+    fn every_amqp_url_is_validated_and_named() {
+        let mut c = base();
+        c.amqp_urls = vec![];
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.setting, "--amqp-url");
+        assert!(e.to_string().contains("at least one"), "{e}");
+        c.amqp_urls = vec![
+            "amqp://g:g@a/%2f".into(),
+            "amqp://g:secret@b:99999999/%2f".into(),
+        ];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("URL 2 of 2") && e.contains("invalid port number") && !e.contains("secret"),
+            "{e}"
+        );
+        c.amqp_urls = vec!["amqp://g:g@a/%2f".into(), "http://b".into()];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("URL 2 of 2") && e.contains("expected amqp://"),
+            "{e}"
+        );
+        c.amqp_urls = vec!["amqp://g:g@a/%2f".into(), "amqps://g:g@b/%2f".into()];
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use serde::Deserialize;
 
-use crate::cli::{Cli, Command, OnUnroutable, PublishPropertiesArg, RunArgs};
+use crate::cli::{AmqpUrlOrderArg, Cli, Command, OnUnroutable, PublishPropertiesArg, RunArgs};
 
 /// The keys a config file may hold, each an optional value of its flag's type.
 #[derive(Debug, Default, Deserialize)]
@@ -26,8 +26,11 @@ pub struct FileSettings {
     pub database_url: Option<String>,
     /// `--slot`.
     pub slot: Option<String>,
-    /// `--amqp-url`.
-    pub amqp_url: Option<String>,
+    /// `--amqp-url`: one URL (which may be a comma-separated list) or an array of them,
+    /// one per node of a cluster.
+    pub amqp_url: Option<OneOrMany>,
+    /// `--amqp-url-order` (`in-order` or `shuffle`).
+    pub amqp_url_order: Option<AmqpUrlOrderArg>,
     /// `--publication`.
     pub publication: Option<String>,
     /// `--exchange`.
@@ -62,6 +65,25 @@ pub struct FileSettings {
     pub postgres_loss_drain_ms: Option<u64>,
 }
 
+/// A string, or an array of strings (`amqp_url = ["amqp://a", "amqp://b"]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    /// One string.
+    One(String),
+    /// An array of strings.
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
 /// The file keys with the form of their values, for error messages. Must list every field
 /// of [`FileSettings`] (a unit test checks it against the `run` flags).
 const KEYS: &[(&str, &str)] = &[
@@ -70,7 +92,11 @@ const KEYS: &[(&str, &str)] = &[
         "a string, postgres://user:password@host:port/db",
     ),
     ("slot", "a string of a-z, 0-9 and _"),
-    ("amqp_url", "a string, amqp://user:password@host:port/vhost"),
+    (
+        "amqp_url",
+        "a string, amqp://user:password@host:port/vhost, or an array of them (one per node)",
+    ),
+    ("amqp_url_order", "\"in-order\" or \"shuffle\""),
     ("publication", "a string of a-z, 0-9 and _"),
     ("exchange", "a string"),
     ("max_in_flight", "a whole number of messages, 1 to 1000000"),
@@ -295,7 +321,8 @@ fn merge(
             take! {
                 database_url => args.db.database_url, same;
                 slot => args.db.slot, same;
-                amqp_url => args.amqp_url, same;
+                amqp_url => args.amqp_url, OneOrMany::into_vec;
+                amqp_url_order => args.amqp_url_order, same;
                 publication => args.publication, same;
                 exchange => args.exchange, same;
                 instance_id => args.instance_id, Some;
@@ -335,7 +362,7 @@ fn merge(
             key: "database_url",
         });
     }
-    if args.amqp_url.is_empty() && !given("amqp_url") {
+    if args.amqp_url.iter().all(|u| u.trim().is_empty()) && !given("amqp_url") {
         return Err(ConfigFileError::Missing {
             flag: "--amqp-url",
             env: "PGOUTBOX_AMQP_URL",
@@ -366,8 +393,10 @@ mod tests {
         assert_eq!(flags, keys);
         // And every key deserializes (deny_unknown_fields knows it).
         for (key, _) in KEYS {
-            let e = parse(Path::new("f.toml"), &format!("{key} = []")).unwrap_err();
-            assert!(!e.to_string().contains("unknown key"), "{key}: {e}");
+            // (`amqp_url = []` is even valid: an array of URLs, found empty later.)
+            if let Err(e) = parse(Path::new("f.toml"), &format!("{key} = []")) {
+                assert!(!e.to_string().contains("unknown key"), "{key}: {e}");
+            }
         }
     }
 
@@ -410,5 +439,27 @@ mod tests {
         assert_eq!(ok.slot.as_deref(), Some("s"));
         assert_eq!(ok.on_unroutable, Some(OnUnroutable::Block));
         assert_eq!(ok.max_in_flight, Some(5));
+        let nodes = parse(
+            p,
+            "amqp_url = [\"amqp://a\", \"amqp://b\"]\namqp_url_order = \"shuffle\"\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            nodes.amqp_url.map(OneOrMany::into_vec),
+            Some(vec!["amqp://a".to_owned(), "amqp://b".to_owned()])
+        );
+        assert_eq!(nodes.amqp_url_order, Some(AmqpUrlOrderArg::Shuffle));
+        let one = parse(p, "amqp_url = \"amqp://a,amqp://b\"\n").expect("valid");
+        assert_eq!(
+            one.amqp_url.map(OneOrMany::into_vec),
+            Some(vec!["amqp://a,amqp://b".to_owned()])
+        );
+        let e = parse(p, "amqp_url_order = \"random\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"amqp_url_order\"") && e.contains("shuffle"),
+            "{e}"
+        );
     }
 }

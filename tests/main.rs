@@ -4,6 +4,7 @@ mod support;
 
 mod chaos;
 mod cli;
+mod cluster;
 mod config;
 mod deploy_files;
 mod end_to_end;

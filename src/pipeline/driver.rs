@@ -68,9 +68,46 @@ pub(super) struct SessionMemory {
     pub broker_limit: Option<BrokerLimit>,
     /// Messages not settled when the last session ended.
     pub unsettled_at_end: u64,
+    /// The broker's nodes and which one the next session tries first.
+    pub nodes: BrokerNodes,
     /// The LSN of the last frame that failed to decode, and how many sessions in a row
     /// failed there.
     decode_failures: Option<(Lsn, u32)>,
+}
+
+/// The broker's nodes (`--amqp-url`, in `--amqp-url-order`) and where the next connect
+/// pass starts.
+///
+/// A pass tries every node once, starting at `next`, and takes the first that completes
+/// the AMQP handshake and the exchange declare. After the connection to node `i` was lost
+/// the next pass starts at `i + 1` (wrapping), so a node that went down is tried last; after
+/// a session that ended for another reason (Postgres, say) it starts at `i` again, so a
+/// healthy node is kept. The first pass starts at the first node.
+#[derive(Debug, Default)]
+pub(super) struct BrokerNodes {
+    /// The nodes' URLs, in the order they are tried.
+    pub urls: Vec<String>,
+    /// Index into `urls` of the node the next pass tries first.
+    pub next: usize,
+}
+
+impl BrokerNodes {
+    /// The indices of one connect pass, in the order they are tried.
+    fn pass(&self) -> impl Iterator<Item = usize> + '_ {
+        let n = self.urls.len();
+        (0..n).map(move |k| (self.next + k) % n)
+    }
+
+    /// Records how a session on node `used` ended: after a broker failure the next pass
+    /// starts at the following node.
+    fn session_ended(&mut self, used: usize, broker_lost: bool) {
+        let n = self.urls.len().max(1);
+        self.next = if broker_lost {
+            (used + 1) % n
+        } else {
+            used % n
+        };
+    }
 }
 
 /// The broker's message body size limit.
@@ -172,8 +209,29 @@ pub async fn run(
                 max_bytes,
                 source: format!("--broker-max-message-bytes {max_bytes}"),
             }),
+        nodes: BrokerNodes {
+            urls: crate::config::order_amqp_urls(
+                &config.amqp_urls,
+                config.amqp_url_order,
+                fastrand::u64(..),
+            ),
+            next: 0,
+        },
         ..SessionMemory::default()
     };
+    if memory.nodes.urls.len() > 1 {
+        tracing::info!(
+            nodes = %memory
+                .nodes
+                .urls
+                .iter()
+                .map(|u| crate::config::redact_url(u))
+                .collect::<Vec<_>>()
+                .join(", "),
+            order = ?config.amqp_url_order,
+            "RabbitMQ nodes, in the order they are tried"
+        );
+    }
     let mut summary = RunSummary::default();
     let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
     loop {
@@ -256,6 +314,8 @@ struct Connected {
     stream: ReplicationStream,
     interval: Duration,
     publisher: Publisher<u64>,
+    /// Index of the broker node `publisher` is connected to (into [`BrokerNodes::urls`]).
+    node: usize,
     dead_letters: DeadLetterWriter,
     start: Lsn,
     lockdown: crate::lockdown::Lockdown,
@@ -279,12 +339,13 @@ async fn run_session(
             tracing::info!("shutdown requested while connecting; nothing was in flight");
             return Ok(());
         }
-        c = beating(telemetry, connect(config, pg, memory.resume, telemetry)) => c?,
+        c = beating(telemetry, connect(config, pg, memory.resume, &memory.nodes, telemetry)) => c?,
     };
     let Connected {
         stream,
         interval,
         mut publisher,
+        node,
         dead_letters,
         start,
         lockdown,
@@ -302,6 +363,12 @@ async fn run_session(
         lockdown,
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
+    memory.nodes.session_ended(
+        node,
+        result
+            .as_ref()
+            .is_err_and(|e| reconnect_cause(e) == "broker"),
+    );
     memory.resume = Some(core.flushed());
     memory.unsettled_at_end = core.unsettled();
     if let Some(limit) = core.broker_limit() {
@@ -336,6 +403,7 @@ async fn connect(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
     resume: Option<Lsn>,
+    nodes: &BrokerNodes,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
@@ -348,7 +416,7 @@ async fn connect(
     let lockdown = crate::lockdown::Lockdown::from_record(lockdown_state.since());
     let dead_letters = DeadLetterWriter::connect(pg).await?;
     let publisher_config = PublisherConfig {
-        amqp_url: config.amqp_url.clone(),
+        amqp_url: String::new(),
         exchange: config.exchange.clone(),
         connection_name: format!("pgoutbox {}", config.instance_id),
         signals: crate::publisher::BrokerSignals {
@@ -356,7 +424,7 @@ async fn connect(
             lost: telemetry.broker_lost_flag(),
         },
     };
-    let publisher = Publisher::<u64>::connect(&publisher_config).await?;
+    let (publisher, node) = connect_broker(nodes, publisher_config).await?;
     let hint = resume.unwrap_or(Lsn::ZERO);
     let (stream, interval) =
         start_stream(config, pg, &sql, &application_name, hint, telemetry).await?;
@@ -379,10 +447,73 @@ async fn connect(
         stream,
         interval,
         publisher,
+        node,
         dead_letters,
         start,
         lockdown,
     })
+}
+
+/// One connect pass over the broker's nodes ([`BrokerNodes::pass`]): the first node that
+/// completes the handshake and the exchange declare wins, and is logged (URL without its
+/// password). Each node gets [`crate::publisher::CONNECT_TIMEOUT`].
+///
+/// A definite refusal from one node (403 login refused, 530 vhost, a 403/406 declare, an
+/// unusable TLS file) does not end the pass: users, permissions and exchanges are
+/// cluster-wide in RabbitMQ, so it usually means the same on every node, but a URL that
+/// points at a node outside the cluster, or one not yet synced, must not stop a healthy
+/// one from being used. Each failure is logged with its node.
+///
+/// # Errors
+/// When no node connected: the first definite error if every node answered with one (so
+/// one URL behaves as before: a refused login stops `run`), otherwise the first retryable
+/// error (a node down or unreachable), and the pass is tried again after the backoff.
+async fn connect_broker(
+    nodes: &BrokerNodes,
+    mut publisher_config: PublisherConfig,
+) -> Result<(Publisher<u64>, usize), Error> {
+    let total = nodes.urls.len();
+    let mut first_retryable: Option<Error> = None;
+    let mut first_definite: Option<Error> = None;
+    for i in nodes.pass() {
+        publisher_config.amqp_url.clone_from(&nodes.urls[i]);
+        let url = crate::config::redact_url(&nodes.urls[i]);
+        match Publisher::<u64>::connect(&publisher_config).await {
+            Ok(publisher) => {
+                tracing::info!(
+                    node = %url,
+                    index = i + 1,
+                    of = total,
+                    "connected to RabbitMQ"
+                );
+                return Ok((publisher, i));
+            }
+            Err(e) => {
+                let e = Error::from(e);
+                if total > 1 {
+                    tracing::warn!(
+                        node = %url,
+                        index = i + 1,
+                        of = total,
+                        definite = !e.is_retryable(),
+                        error = %crate::error::one_line(&e),
+                        "RabbitMQ node did not accept the connection; trying the next"
+                    );
+                }
+                let slot = if e.is_retryable() {
+                    &mut first_retryable
+                } else {
+                    &mut first_definite
+                };
+                if slot.is_none() {
+                    *slot = Some(e);
+                }
+            }
+        }
+    }
+    Err(first_retryable
+        .or(first_definite)
+        .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ node is configured".into())))
 }
 
 /// Warns when `synchronous_standby_names` could pick this streamer's walsender as a

@@ -26,6 +26,14 @@ impl<'a> Outbox<'a> {
     /// Creates the database, runs `pgoutbox setup` through the binary, declares and binds
     /// the queue.
     pub async fn new(pg: &'a Postgres, amqp_url: &str, name: &str) -> Outbox<'a> {
+        let ob = Outbox::new_without_queue(pg, amqp_url, name).await;
+        declare_bound_queue(amqp_url, &ob.exchange, &ob.queue, "#").await;
+        ob
+    }
+
+    /// Like [`Outbox::new`] but declares nothing on the broker: the caller declares
+    /// `queue` (a quorum queue, say) and binds it to `exchange`.
+    pub async fn new_without_queue(pg: &'a Postgres, amqp_url: &str, name: &str) -> Outbox<'a> {
         let db = pg.create_database(name).await;
         let slot = unique(&format!("{name}_slot"));
         let publication = unique(&format!("{name}_pub"));
@@ -46,7 +54,6 @@ impl<'a> Outbox<'a> {
             "setup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        declare_bound_queue(amqp_url, &ob.exchange, &ob.queue, "#").await;
         ob
     }
 

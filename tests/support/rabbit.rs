@@ -25,8 +25,28 @@ pub struct RabbitMq {
     dist_port: u16,
     epmd_port: u16,
     ctl_port_min: u16,
+    /// `HOME` of the node and its `rabbitmqctl` (holds `.erlang.cookie`).
+    home: PathBuf,
+    /// Appended to `RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS`.
+    extra_erl_args: String,
     server: Mutex<Option<Child>>,
     private: bool,
+}
+
+/// How [`RabbitMq::start_node`] differs from a private node of its own.
+#[derive(Debug, Default, Clone)]
+pub struct NodeOptions {
+    /// Extra `rabbitmq.conf` lines (`{root}` is the node's directory).
+    pub extra_conf: String,
+    /// An epmd port shared with other nodes (a cluster); default: a port of its own.
+    pub epmd_port: Option<u16>,
+    /// A `HOME` shared with other nodes, holding their common `.erlang.cookie`; default:
+    /// `home/` in the node's directory.
+    pub home: Option<PathBuf>,
+    /// Extra Erlang VM flags (`+S 1:1`, ...).
+    pub extra_erl_args: String,
+    /// Node name prefix (default `pgoutbox-test`).
+    pub name: Option<String>,
 }
 
 static SHARED: OnceLock<RabbitMq> = OnceLock::new();
@@ -62,17 +82,28 @@ impl RabbitMq {
     }
 
     fn start_new_with_files(private: bool, extra_conf: &str, files: &[(&str, &[u8])]) -> RabbitMq {
+        let options = NodeOptions {
+            extra_conf: extra_conf.to_owned(),
+            ..NodeOptions::default()
+        };
+        RabbitMq::start_node(private, &options, files)
+    }
+
+    /// Starts a node with `options` (a cluster member, say), waits until its AMQP port is
+    /// open; stopped on Drop when `private`.
+    pub fn start_node(private: bool, options: &NodeOptions, files: &[(&str, &[u8])]) -> RabbitMq {
         let t0 = Instant::now();
         let bin = find_bin_dir();
         let root = make_server_dir("pgoutbox-rmq-");
         let amqp_port = free_port();
         let dist_port = free_port();
-        let epmd_port = free_port();
+        let epmd_port = options.epmd_port.unwrap_or_else(free_port);
         let ctl_port_min = free_port();
         let nodename = format!(
             "{}@localhost",
-            super::unique("pgoutbox-test").replace('_', "-")
+            super::unique(options.name.as_deref().unwrap_or("pgoutbox-test")).replace('_', "-")
         );
+        let home = options.home.clone().unwrap_or_else(|| root.join("home"));
         let r = RabbitMq {
             root,
             bin,
@@ -81,6 +112,8 @@ impl RabbitMq {
             dist_port,
             epmd_port,
             ctl_port_min,
+            home,
+            extra_erl_args: options.extra_erl_args.clone(),
             server: Mutex::new(None),
             private,
         };
@@ -93,7 +126,9 @@ impl RabbitMq {
         for (name, contents) in files {
             std::fs::write(r.root.join(name), contents).expect("write node file");
         }
-        let extra_conf = extra_conf.replace("{root}", &r.root.display().to_string());
+        let extra_conf = options
+            .extra_conf
+            .replace("{root}", &r.root.display().to_string());
         std::fs::write(
             r.root.join("rabbitmq.conf"),
             format!(
@@ -163,7 +198,7 @@ impl RabbitMq {
     pub fn env(&self) -> Vec<(String, String)> {
         let r = |p: &str| self.root.join(p).display().to_string();
         vec![
-            ("HOME".into(), r("home")),
+            ("HOME".into(), self.home.display().to_string()),
             ("RABBITMQ_NODENAME".into(), self.nodename.clone()),
             ("RABBITMQ_NODE_IP_ADDRESS".into(), "127.0.0.1".into()),
             ("RABBITMQ_NODE_PORT".into(), self.amqp_port.to_string()),
@@ -188,7 +223,10 @@ impl RabbitMq {
             ("RABBITMQ_PLUGINS_EXPAND_DIR".into(), r("plugins-expand")),
             (
                 "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS".into(),
-                "-kernel inet_dist_use_interface {127,0,0,1}".into(),
+                format!(
+                    "-kernel inet_dist_use_interface {{127,0,0,1}} {}",
+                    self.extra_erl_args
+                ),
             ),
         ]
     }
@@ -261,6 +299,70 @@ impl RabbitMq {
             port_open(self.amqp_port)
         });
         assert!(ok, "AMQP port {} did not reopen", self.amqp_port);
+    }
+
+    /// The Erlang VM's pid (`RABBITMQ_PID_FILE`), while the node runs.
+    pub fn beam_pid(&self) -> Option<u32> {
+        let pid: u32 = std::fs::read_to_string(self.root.join("pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    }
+
+    /// `(VmRSS, VmHWM)` of the node's Erlang VM in KiB (zeros when it is not running).
+    pub fn memory_kib(&self) -> (u64, u64) {
+        let Some(pid) = self.beam_pid() else {
+            return (0, 0);
+        };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or(0)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// SIGKILLs the Erlang VM (a node crash: sockets close without an AMQP close) and
+    /// waits until the AMQP port is closed and the launcher is reaped.
+    pub fn kill(&self) {
+        if let Some(pid) = self.beam_pid() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        if let Some(mut child) = self.server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = Command::new("kill")
+                .args(["-9", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+        let closed = super::wait_until_blocking(super::scaled(Duration::from_secs(10)), || {
+            !port_open(self.amqp_port)
+        });
+        assert!(
+            closed,
+            "AMQP port {} still open after the kill",
+            self.amqp_port
+        );
+    }
+
+    /// Starts the node again after [`RabbitMq::kill`] (same name, ports and data), and
+    /// waits until the AMQP port is open.
+    pub fn restart(&self) {
+        self.spawn_server();
+    }
+
+    /// Runs `rabbitmq-queues ARGS` against this node.
+    pub fn queues_cmd(&self, args: &[&str]) -> Output {
+        Command::new(self.bin.join("rabbitmq-queues"))
+            .envs(self.env())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("spawn rabbitmq-queues")
     }
 
     /// Force-close every client connection on this node.

@@ -1,0 +1,259 @@
+//! A three-node RabbitMQ cluster with a quorum queue: the streamer is given every node's
+//! URL, the node it is connected to is killed mid-stream (SIGKILL of the VM), brought back,
+//! and then the node it failed over to is stopped (`stop_app`); the streamer fails over
+//! each time and the audit by message id finds nothing lost and nothing invented.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::support::cluster::{consume_queue, declare_bound_quorum_queue, RabbitCluster};
+use crate::support::{self, lsn, queue_len, scaled, scaled_count, wait_until, Outbox, Postgres};
+
+/// The streamer's `--max-in-flight`: the most a failover may send twice.
+const WINDOW: usize = 1_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queue_survives_losing_the_connected_node_twice() {
+    let t0 = Instant::now();
+    let cluster = RabbitCluster::start(3);
+    let (boot_rss, _) = cluster.memory_kib();
+    // The example production topology in deploy/ loads into the cluster as written.
+    let definitions = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/rabbitmq/definitions.json"
+    );
+    cluster.nodes[0].ctl_ok(&["import_definitions", definitions]);
+    let queues =
+        cluster.nodes[0].ctl_ok(&["-q", "list_queues", "name", "type", "--no-table-headers"]);
+    for (queue, kind) in [
+        ("pgoutbox.events", "quorum"),
+        ("pgoutbox.dead", "quorum"),
+        ("pgoutbox.replay", "stream"),
+    ] {
+        assert!(
+            queues
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue, kind]),
+            "{queue} ({kind}) from {definitions}:\n{queues}"
+        );
+    }
+    let pg = Postgres::shared();
+    let urls = cluster.urls();
+    let mut ob = Outbox::new_without_queue(pg, &urls[0], "cluster").await;
+    declare_bound_quorum_queue(&urls[0], &ob.exchange, &ob.queue).await;
+    let instance = support::unique("cluster-streamer");
+    let connection_name = format!("pgoutbox {instance}");
+    let start_lsn = ob.confirmed_flush();
+    // All three nodes as one comma-separated value (the env-var form), in order.
+    let streamer = ob.run_with_amqp_url(
+        &urls.join(","),
+        &[
+            "--max-in-flight",
+            &WINDOW.to_string(),
+            "--instance-id",
+            &instance,
+        ],
+    );
+
+    // Producers: 10-message transactions at a steady pace until told to stop and at
+    // least `target` messages were written, so both faults land mid-stream.
+    let target = scaled_count(10_000) as i64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let emitted = Arc::new(AtomicI64::new(0));
+    let producer = {
+        let (stop, emitted, url) = (stop.clone(), emitted.clone(), ob.url());
+        tokio::spawn(async move {
+            let client = Postgres::client_url(&url).await.expect("producer connects");
+            let mut seq = 0i64;
+            while !(stop.load(Ordering::SeqCst) && seq >= target) {
+                let from = seq + 1;
+                seq += 10;
+                client
+                    .batch_execute(&format!(
+                        "BEGIN; SELECT outbox.emit('c.' || n, jsonb_build_object('seq', n), '{{}}', 'c-' || n) FROM generate_series({from}, {seq}) n; COMMIT;"
+                    ))
+                    .await
+                    .expect("emit");
+                emitted.store(seq, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(8)).await;
+            }
+            seq
+        })
+    };
+
+    let node_in_use = |want: Option<usize>| {
+        let cluster = &cluster;
+        let name = connection_name.clone();
+        async move {
+            let mut found = None;
+            let ok = wait_until(scaled(Duration::from_secs(30)), || {
+                let got = cluster.node_of_connection(&name);
+                found = got;
+                let ok = got.is_some() && (want.is_none() || got == want);
+                async move { ok }
+            })
+            .await;
+            assert!(
+                ok,
+                "the streamer's connection (want node {want:?}, saw {found:?})"
+            );
+            found.unwrap()
+        }
+    };
+    let progress = |url: String, queue: String, more: u32| async move {
+        let from = queue_len(&url, &queue).await;
+        wait_until(scaled(Duration::from_secs(30)), || {
+            let (url, queue) = (url.clone(), queue.clone());
+            async move { queue_len(&url, &queue).await >= from + more }
+        })
+        .await
+    };
+
+    // 1. Streaming through node 1 (the first URL).
+    let first = node_in_use(Some(0)).await;
+    assert!(
+        progress(urls[1].clone(), ob.queue.clone(), 1_000).await,
+        "messages flow through node 1:\n{}",
+        streamer.log()
+    );
+    // 2. Kill the node the streamer is connected to, mid-stream.
+    let emitted_at_kill = emitted.load(Ordering::SeqCst);
+    let t_kill = Instant::now();
+    cluster.nodes[first].kill();
+    let second = node_in_use(None).await;
+    assert_ne!(second, first, "failed over to another node");
+    assert_eq!(second, 1, "in order: the node after the lost one");
+    let failover1 = t_kill.elapsed();
+    assert!(
+        progress(urls[2].clone(), ob.queue.clone(), 1_000).await,
+        "messages flow through node 2 after the kill:\n{}",
+        streamer.log()
+    );
+    // 3. Bring it back; wait until its quorum queue member is back (stopping another
+    //    node must not cost the queue its majority).
+    cluster.nodes[first].restart();
+    assert!(
+        support::wait_until_blocking(scaled(Duration::from_secs(60)), || {
+            !cluster.is_quorum_critical(second)
+        }),
+        "node {} rejoined the quorum queue",
+        first + 1
+    );
+    assert!(
+        progress(urls[2].clone(), ob.queue.clone(), 500).await,
+        "messages flow while node 1 rejoins:\n{}",
+        streamer.log()
+    );
+    // 4. Stop the node now in use (graceful: connection.close 320 from the broker).
+    let emitted_at_stop = emitted.load(Ordering::SeqCst);
+    let t_stop = Instant::now();
+    cluster.nodes[second].stop_app();
+    let third = node_in_use(None).await;
+    assert_ne!(third, second, "failed over again");
+    assert_eq!(third, 2, "in order: the node after the lost one");
+    let failover2 = t_stop.elapsed();
+    assert!(
+        progress(urls[0].clone(), ob.queue.clone(), 500).await,
+        "messages flow through node 3:\n{}",
+        streamer.log()
+    );
+    stop.store(true, Ordering::SeqCst);
+    let sent = producer.await.expect("producer") as usize;
+    assert!(
+        emitted_at_kill < sent as i64 && emitted_at_stop < sent as i64,
+        "both faults came while producers were writing"
+    );
+
+    // 5. Drain through a live node and audit by message id.
+    ob.amqp_url = urls[third].clone();
+    let got = consume_queue(
+        &urls[third],
+        &ob.queue,
+        sent,
+        scaled(Duration::from_secs(30)),
+    )
+    .await;
+    let mut copies: HashMap<String, usize> = HashMap::new();
+    for m in &got {
+        *copies
+            .entry(m.message_id.clone().expect("message_id"))
+            .or_default() += 1;
+    }
+    let lost: Vec<usize> = (1..=sent)
+        .filter(|n| !copies.contains_key(&format!("c-{n}")))
+        .collect();
+    let invented: Vec<&String> = copies
+        .keys()
+        .filter(|id| {
+            id.strip_prefix("c-")
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_none_or(|n| n == 0 || n > sent)
+        })
+        .collect();
+    let duplicates = got.len() - copies.len();
+    let wall = t0.elapsed();
+    let (end_rss, end_hwm) = cluster.memory_kib();
+    eprintln!(
+        "cluster test: sent {sent}, received {} ({} distinct), duplicates {duplicates}, lost {}, invented {}; \
+         failover after kill {failover1:.1?}, after stop_app {failover2:.1?}; \
+         cluster boot {:.1?}, RSS {} MiB after boot, {} MiB at the end (2 nodes up + 1 stopped app; peak sum {} MiB); wall {wall:.1?}",
+        got.len(),
+        copies.len(),
+        lost.len(),
+        invented.len(),
+        cluster.boot_time,
+        boot_rss / 1024,
+        end_rss / 1024,
+        end_hwm / 1024,
+    );
+    assert!(
+        lost.is_empty(),
+        "lost {} messages, first {:?}:\n{}",
+        lost.len(),
+        &lost[..lost.len().min(10)],
+        streamer.log()
+    );
+    assert!(invented.is_empty(), "invented: {invented:?}");
+    // A re-send after a failover covers at most the window (unconfirmed, or confirmed
+    // behind an unconfirmed one): two failovers, at most two windows.
+    assert!(
+        duplicates <= 2 * WINDOW,
+        "{duplicates} duplicates: more than two windows of {WINDOW}"
+    );
+    // Each failover shows in the streamer's log, naming the node it moved to.
+    let log = streamer.log();
+    for (i, url) in [
+        (first, &urls[first]),
+        (second, &urls[second]),
+        (third, &urls[third]),
+    ] {
+        let redacted = url.replace("guest:guest@", "guest:***@");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("connected to RabbitMQ") && l.contains(&redacted)),
+            "node {} ({redacted}) logged as used:\n{log}",
+            i + 1
+        );
+    }
+    assert!(!log.contains("guest:guest@"), "a password in the log");
+    // 6. The slot covers every message: confirmed_flush reaches the last commit LSN.
+    let last_commit = got
+        .iter()
+        .filter_map(|m| m.headers.get("x-pgoutbox-commit-lsn"))
+        .map(|l| lsn(l))
+        .max()
+        .expect("commit LSNs");
+    assert!(
+        wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.confirmed_flush() >= last_commit
+        })
+        .await,
+        "confirmed_flush_lsn {:X} (from {start_lsn:X}) reaches the last commit {last_commit:X}:\n{}",
+        ob.confirmed_flush(),
+        streamer.log()
+    );
+    assert!(streamer.try_status().is_none(), "the streamer kept running");
+    drop(streamer);
+}
