@@ -65,6 +65,62 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, Erro
     })
 }
 
+/// What a standby's SQL session is called while it stands by for a slot
+/// (`application_name`, so [`standbys`] and a person reading `pg_stat_activity` see it):
+/// this prefix, the slot, `:` and the standby's own `application_name`.
+pub const STANDBY_APPLICATION_PREFIX: &str = "pgoutbox-standby:";
+
+/// The `application_name` of a standby for `slot` whose replication sessions are called
+/// `application_name`, cut to the server's 63 bytes.
+pub fn standby_application_name(slot: &str, application_name: &str) -> String {
+    let mut name = format!("{STANDBY_APPLICATION_PREFIX}{slot}:{application_name}");
+    let mut end = name.len().min(63);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name.truncate(end);
+    name
+}
+
+/// The standbys of `slot`: the `application_name` of each `run` process standing by for it
+/// in this database (from `pg_stat_activity`), sorted. A standby whose tagged name did not
+/// fit in 63 bytes (a very long slot name) is not listed.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn standbys(client: &Client, slot: &str) -> Result<Vec<String>, Error> {
+    let prefix = format!("{STANDBY_APPLICATION_PREFIX}{slot}:");
+    let rows = client
+        .query(
+            "SELECT substr(application_name, length($1) + 1) FROM pg_stat_activity
+             WHERE datname = current_database() AND starts_with(application_name, $1)
+             ORDER BY 1",
+            &[&prefix],
+        )
+        .await
+        .map_err(|e| Error::sql("reading pg_stat_activity", e))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Names this SQL session as a standby for `slot` (see [`standby_application_name`]).
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn mark_standby(
+    client: &Client,
+    slot: &str,
+    application_name: &str,
+) -> Result<(), Error> {
+    client
+        .execute(
+            "SELECT set_config('application_name', $1, false)",
+            &[&standby_application_name(slot, application_name)],
+        )
+        .await
+        .map_err(|e| Error::sql("setting application_name", e))?;
+    Ok(())
+}
+
 /// The slot's `confirmed_flush_lsn`.
 ///
 /// # Errors
@@ -631,6 +687,8 @@ pub struct HealthReport {
     pub active_pid: Option<i32>,
     /// The holder's `application_name`.
     pub holder: Option<String>,
+    /// The `application_name` of each `run` process standing by for the slot.
+    pub standbys: Vec<String>,
     /// Position up to which the consumer acknowledged, `X/Y`.
     pub confirmed_flush_lsn: Option<String>,
     /// Bytes of WAL between `confirmed_flush_lsn` and the current WAL position.
@@ -697,6 +755,7 @@ pub async fn health(
         Some(_) => slot_retention(client, slot).await?,
         None => SlotRetention::default(),
     };
+    let standbys = standbys(client, slot).await.unwrap_or_default();
     let publication_exists = publication_exists(client, publication).await?;
     if !publication_exists {
         problem(
@@ -825,6 +884,7 @@ pub async fn health(
         active: s.is_some_and(|s| s.active),
         active_pid: s.and_then(|s| s.active_pid),
         holder: s.and_then(|s| s.holder.clone()),
+        standbys,
         confirmed_flush_lsn: s.and_then(|s| s.confirmed_flush_lsn.clone()),
         lag_bytes: s.and_then(|s| s.lag_bytes),
         wal_status: s.and_then(|s| s.wal_status.clone()),
