@@ -67,13 +67,26 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, Erro
 
 /// What a standby's SQL session is called while it stands by for a slot
 /// (`application_name`, so [`standbys`] and a person reading `pg_stat_activity` see it):
-/// this prefix, the slot, `:` and the standby's own `application_name`.
+/// this prefix, [`slot_tag`] of the slot, `:` and the standby's own `application_name`.
 pub const STANDBY_APPLICATION_PREFIX: &str = "pgoutbox-standby:";
 
+/// Eight hex digits naming a slot inside an `application_name` (FNV-1a, 32 bits): a slot
+/// name of up to 63 bytes would not leave room for the standby's own name in the server's
+/// 63 bytes.
+pub fn slot_tag(slot: &str) -> String {
+    let hash = slot.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    format!("{hash:08x}")
+}
+
 /// The `application_name` of a standby for `slot` whose replication sessions are called
-/// `application_name`, cut to the server's 63 bytes.
+/// `application_name`, cut to the server's 63 bytes (the end of a long instance id is cut).
 pub fn standby_application_name(slot: &str, application_name: &str) -> String {
-    let mut name = format!("{STANDBY_APPLICATION_PREFIX}{slot}:{application_name}");
+    let mut name = format!(
+        "{STANDBY_APPLICATION_PREFIX}{}:{application_name}",
+        slot_tag(slot)
+    );
     let mut end = name.len().min(63);
     while !name.is_char_boundary(end) {
         end -= 1;
@@ -83,13 +96,13 @@ pub fn standby_application_name(slot: &str, application_name: &str) -> String {
 }
 
 /// The standbys of `slot`: the `application_name` of each `run` process standing by for it
-/// in this database (from `pg_stat_activity`), sorted. A standby whose tagged name did not
-/// fit in 63 bytes (a very long slot name) is not listed.
+/// in this database (from `pg_stat_activity`), sorted; a name longer than 37 bytes shows
+/// cut.
 ///
 /// # Errors
 /// [`Error::Sql`].
 pub async fn standbys(client: &Client, slot: &str) -> Result<Vec<String>, Error> {
-    let prefix = format!("{STANDBY_APPLICATION_PREFIX}{slot}:");
+    let prefix = format!("{STANDBY_APPLICATION_PREFIX}{}:", slot_tag(slot));
     let rows = client
         .query(
             "SELECT substr(application_name, length($1) + 1) FROM pg_stat_activity
@@ -100,6 +113,21 @@ pub async fn standbys(client: &Client, slot: &str) -> Result<Vec<String>, Error>
         .await
         .map_err(|e| Error::sql("reading pg_stat_activity", e))?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+#[cfg(test)]
+#[test]
+fn standby_names_fit_and_name_the_slot() {
+    assert_eq!(slot_tag("pgoutbox"), slot_tag("pgoutbox"));
+    assert_ne!(slot_tag("pgoutbox"), slot_tag("pgoutbox2"));
+    let long = "x".repeat(63);
+    let name = standby_application_name(&long, &"é".repeat(40));
+    assert!(name.len() <= 63, "{name}");
+    assert!(name.starts_with(&format!("{STANDBY_APPLICATION_PREFIX}{}:", slot_tag(&long))));
+    assert_eq!(
+        standby_application_name("s", "pgoutbox-a"),
+        format!("{STANDBY_APPLICATION_PREFIX}{}:pgoutbox-a", slot_tag("s"))
+    );
 }
 
 /// Names this SQL session as a standby for `slot` (see [`standby_application_name`]).
