@@ -354,3 +354,31 @@ async fn three_replicas_survive_repeated_sigkill_of_the_active_one() {
         median(&sorted)
     );
 }
+
+/// `setup --failover` creates a failover slot on PostgreSQL 17+ and says plainly on an older
+/// server that it cannot (the harness runs 15, so the refusal is what is checked here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_failover_says_plainly_when_the_server_cannot() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "standby_failover").await;
+    let version: i32 = ob
+        .sql("SELECT current_setting('server_version_num')")
+        .trim()
+        .parse()
+        .expect("server_version_num");
+    let out = ob.cli(&["setup", "--publication", &ob.publication, "--failover"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if version < 170_000 {
+        assert!(!out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains("cannot create failover slots")
+                && stderr.contains("PostgreSQL 17 or newer")
+                && stderr.contains("Patroni"),
+            "{stderr}"
+        );
+    } else {
+        // The slot exists already (Outbox::new ran setup) and is not a failover slot.
+        assert!(!out.status.success(), "{stderr}");
+        assert!(stderr.contains("ALTER_REPLICATION_SLOT"), "{stderr}");
+    }
+}
