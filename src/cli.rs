@@ -9,7 +9,7 @@ use crate::config::{
     DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
     DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
-    DEFAULT_STALL_AFTER,
+    DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 
@@ -246,6 +246,11 @@ pub struct SetupArgs {
     /// pg_logical_emit_message back to PUBLIC, helpers SECURITY INVOKER again.
     #[arg(long)]
     pub unlock: bool,
+    /// Create the slot as a failover slot (PostgreSQL 17+): physical standbys with
+    /// sync_replication_slots = on keep a synced copy that survives a promotion. Refused,
+    /// with the alternative, on older servers.
+    #[arg(long, env = "PGOUTBOX_FAILOVER")]
+    pub failover: bool,
 }
 
 /// `run` arguments.
@@ -288,6 +293,11 @@ pub struct RunArgs {
     /// forever as a standby (0 to 2592000, 30 days).
     #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", default_value_t = DEFAULT_SLOT_BUSY_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub slot_busy_timeout_s: u64,
+    /// Milliseconds between two looks of a standby at the slot's holder
+    /// (pg_replication_slots): START_REPLICATION is tried within one poll after the slot
+    /// is free. Jittered down by up to a fifth so standbys do not poll in step (10 to 60000).
+    #[arg(long, env = "PGOUTBOX_STANDBY_POLL_MS", default_value_t = DEFAULT_STANDBY_POLL.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    pub standby_poll_ms: u64,
     /// Seconds a SIGINT/SIGTERM waits for outstanding confirms (0 to 86400, one day).
     #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", default_value_t = DEFAULT_SHUTDOWN_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub shutdown_timeout_s: u64,
@@ -375,6 +385,7 @@ impl RunArgs {
             max_in_flight_bytes: self.max_in_flight_bytes,
             slot_busy_timeout: (self.slot_busy_timeout_s > 0)
                 .then(|| Duration::from_secs(self.slot_busy_timeout_s)),
+            standby_poll: Duration::from_millis(self.standby_poll_ms),
             on_unroutable: match self.on_unroutable {
                 OnUnroutable::DeadLetter => UnroutablePolicy::DeadLetter,
                 OnUnroutable::Block => UnroutablePolicy::Block,

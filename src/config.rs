@@ -26,6 +26,17 @@ pub const STATUS_COALESCE: Duration = Duration::from_millis(200);
 /// forever (a standby replica). After a SIGKILL the old walsender can hold the slot until it
 /// notices the closed socket, so a restart also waits here.
 pub const DEFAULT_SLOT_BUSY_TIMEOUT: Duration = Duration::from_secs(0);
+/// Default `--standby-poll-ms`: while another process holds the slot, a standby looks at
+/// `pg_replication_slots` this often (each poll is one small catalog query on the ordinary
+/// SQL connection) and tries `START_REPLICATION` as soon as the slot is free, so a takeover
+/// comes within about one poll after the holder's walsender ended.
+pub const DEFAULT_STANDBY_POLL: Duration = Duration::from_millis(1000);
+/// Smallest accepted `--standby-poll-ms`: 10 ms (a catalog query per standby that often
+/// still costs the server little).
+pub const MIN_STANDBY_POLL: Duration = Duration::from_millis(10);
+/// Largest accepted `--standby-poll-ms`: one minute (a longer poll makes the takeover
+/// slower than the walsender timeout that usually bounds it).
+pub const STANDBY_POLL_CAP: Duration = Duration::from_secs(60);
 /// Publish attempts for a nacked message before it is dead-lettered.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// Payloads above this are dead-lettered as `too_large` (RabbitMQ's own limit is 128 MiB by
@@ -346,6 +357,9 @@ pub struct RunConfig {
     pub max_in_flight_bytes: usize,
     /// How long to keep retrying a slot held by another process (`None`: forever).
     pub slot_busy_timeout: Option<Duration>,
+    /// How often a standby polls the slot's holder (`--standby-poll-ms`, jittered down
+    /// by up to a fifth).
+    pub standby_poll: Duration,
     /// What to do with returned (unroutable) messages.
     pub on_unroutable: UnroutablePolicy,
     /// What each message carries (`--publish-properties`).
@@ -401,6 +415,7 @@ impl std::fmt::Debug for RunConfig {
             .field("max_in_flight", &self.max_in_flight)
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("slot_busy_timeout", &self.slot_busy_timeout)
+            .field("standby_poll", &self.standby_poll)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("postgres_loss_drain", &self.postgres_loss_drain)
             .field("read_coalesce", &self.read_coalesce)
@@ -476,6 +491,13 @@ impl RunConfig {
             0,
             SLOT_BUSY_TIMEOUT_CAP.as_secs(),
             "seconds (0 waits forever)",
+        )?;
+        check_range(
+            "--standby-poll-ms",
+            self.standby_poll.as_millis(),
+            MIN_STANDBY_POLL.as_millis(),
+            STANDBY_POLL_CAP.as_millis(),
+            "milliseconds",
         )?;
         check_range(
             "--shutdown-timeout-s",
@@ -712,6 +734,7 @@ mod tests {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             slot_busy_timeout: None,
+            standby_poll: DEFAULT_STANDBY_POLL,
             on_unroutable: UnroutablePolicy::DeadLetter,
             publish_properties: PublishProperties::Full,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
@@ -840,7 +863,7 @@ mod tests {
     fn every_numeric_and_duration_setting_has_bounds() {
         type Set = fn(&mut RunConfig, u64);
         // (setting, how to set it, lowest accepted, highest accepted)
-        let cases: [(&str, Set, u64, u64); 9] = [
+        let cases: [(&str, Set, u64, u64); 10] = [
             (
                 "--max-in-flight",
                 |c, v| c.max_in_flight = v as usize,
@@ -871,6 +894,12 @@ mod tests {
                 |c, v| c.slot_busy_timeout = Some(Duration::from_secs(v)),
                 0,
                 30 * 86_400,
+            ),
+            (
+                "--standby-poll-ms",
+                |c, v| c.standby_poll = Duration::from_millis(v),
+                10,
+                60_000,
             ),
             (
                 "--shutdown-timeout-s",

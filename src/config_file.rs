@@ -41,6 +41,8 @@ pub struct FileSettings {
     pub max_in_flight_bytes: Option<usize>,
     /// `--slot-busy-timeout-s` (seconds).
     pub slot_busy_timeout_s: Option<u64>,
+    /// `--standby-poll-ms` (milliseconds).
+    pub standby_poll_ms: Option<u64>,
     /// `--shutdown-timeout-s` (seconds).
     pub shutdown_timeout_s: Option<u64>,
     /// `--instance-id`.
@@ -107,6 +109,10 @@ const KEYS: &[(&str, &str)] = &[
     (
         "slot_busy_timeout_s",
         "a whole number of seconds, 0 to 2592000",
+    ),
+    (
+        "standby_poll_ms",
+        "a whole number of milliseconds, 10 to 60000",
     ),
     (
         "shutdown_timeout_s",
@@ -331,6 +337,7 @@ fn merge(
                 max_message_bytes => args.max_message_bytes, same;
                 broker_max_message_bytes => args.broker_max_message_bytes, Some;
                 slot_busy_timeout_s => args.slot_busy_timeout_s, same;
+                standby_poll_ms => args.standby_poll_ms, same;
                 shutdown_timeout_s => args.shutdown_timeout_s, same;
                 read_coalesce_us => args.read_coalesce_us, same;
                 max_attempts => args.max_attempts, same;

@@ -202,7 +202,12 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             } else if args.unlock {
                 admin::lockdown::require_superuser(&client, "--unlock").await?;
             }
-            let report = admin::setup(&client, &args.db.slot, &args.publication).await?;
+            let failover = if args.failover {
+                admin::provisioning::SlotFailover::On
+            } else {
+                admin::provisioning::SlotFailover::Off
+            };
+            let report = admin::setup(&client, &args.db.slot, &args.publication, failover).await?;
             println!(
                 "setup done: slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
                 args.db.slot,
@@ -400,6 +405,14 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
                 (Some(pid), Some(h)) => format!(" (pid {pid}, {h})"),
                 (Some(pid), None) => format!(" (pid {pid})"),
                 _ => String::new(),
+            }
+        );
+        println!(
+            "standbys:               {}",
+            if r.standbys.is_empty() {
+                "-".to_owned()
+            } else {
+                r.standbys.join(", ")
             }
         );
         println!(

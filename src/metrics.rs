@@ -19,7 +19,8 @@
 //! beat came for [`HEALTH_STALE_AFTER`]: restart such a process (liveness). `/readyz`
 //! answers 200 only while the replication stream is open, the broker connection is not
 //! blocked and the stream is not stalled; otherwise 503 with `{"status":"not_ready",
-//! "reason":...}` (readiness, alerting; a standby waiting for the slot reports `slot_busy`).
+//! "reason":...}` (readiness, alerting; a standby waiting for the slot reports `slot_busy`,
+//! with `"role":"standby"` and the holder's `application_name` in `holder`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
@@ -81,7 +82,7 @@ pub const OLDEST_UNCONFIRMED_AGE_SECONDS: &str = "pgoutbox_oldest_unconfirmed_ag
 /// confirm as routed), in seconds.
 pub const CONFIRM_LATENCY_SECONDS: &str = "pgoutbox_confirm_latency_seconds";
 /// Counter: sessions ended by a retryable failure, label `cause` (`broker`, `postgres`,
-/// `slot_busy`: one per try of a slot another process holds).
+/// `slot_busy`: one per standby poll that found the slot held by another process).
 pub const RECONNECTS_TOTAL: &str = "pgoutbox_reconnects_total";
 /// Counter: sessions that started streaming.
 pub const SESSIONS_STARTED_TOTAL: &str = "pgoutbox_sessions_started_total";
@@ -92,6 +93,10 @@ pub const STALLED: &str = "pgoutbox_stalled";
 /// Gauge: 1 while RabbitMQ blocks the connection (`connection.blocked`: memory or disk
 /// alarm).
 pub const BROKER_BLOCKED: &str = "pgoutbox_broker_blocked";
+/// Gauge: this process's role on the slot, label `role` (`active`: it streams from the
+/// slot; `standby`: another process holds the slot and this one waits to take over); 1 for
+/// the current role, 0 for the other, both 0 while connecting or reconnecting.
+pub const ROLE: &str = "pgoutbox_role";
 /// Info: `version` label with the crate version.
 pub const BUILD_INFO: &str = "pgoutbox_build_info";
 
@@ -135,6 +140,37 @@ impl Phase {
             Phase::Streaming => None,
             Phase::Draining => Some("draining"),
             Phase::ReplicationLost => Some("replication_lost"),
+        }
+    }
+}
+
+/// This process's role on the slot, for the log, `/readyz` and [`ROLE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// Neither: connecting, reconnecting, or stopped.
+    None = 0,
+    /// Streaming from the slot.
+    Active = 1,
+    /// Another process holds the slot; waiting to take over.
+    Standby = 2,
+}
+
+impl Role {
+    fn from_u8(v: u8) -> Role {
+        match v {
+            1 => Role::Active,
+            2 => Role::Standby,
+            _ => Role::None,
+        }
+    }
+
+    /// `none`, `active` or `standby`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::None => "none",
+            Role::Active => "active",
+            Role::Standby => "standby",
         }
     }
 }
@@ -275,6 +311,11 @@ pub struct Telemetry {
     since_status: Gauge<f64, AtomicU64>,
     stalled: Gauge,
     blocked_gauge: Gauge,
+    role_gauge: Family<[(&'static str, &'static str); 1], Gauge>,
+    role: AtomicU8,
+    /// The slot holder's `application_name` while this process stands by (written on a
+    /// role change only, never by the event loop).
+    holder: std::sync::Mutex<Option<String>>,
     latency: ConfirmLatency,
     /// Commit time of the oldest unconfirmed message, µs since the Unix epoch; 0: none.
     oldest_commit_time_us: AtomicI64,
@@ -339,6 +380,9 @@ impl Telemetry {
             since_status: Gauge::default(),
             stalled: Gauge::default(),
             blocked_gauge: Gauge::default(),
+            role_gauge: Family::default(),
+            role: AtomicU8::new(Role::None as u8),
+            holder: std::sync::Mutex::new(None),
             latency: ConfirmLatency::default(),
             oldest_commit_time_us: AtomicI64::new(0),
             heartbeat_ms: AtomicU64::new(0),
@@ -449,6 +493,14 @@ impl Telemetry {
             "1 while RabbitMQ blocks the connection (memory or disk alarm)",
             t.blocked_gauge.clone(),
         );
+        for role in [Role::Active, Role::Standby] {
+            let _ = t.role_gauge.get_or_create(&[("role", role.as_str())]);
+        }
+        registry.register(
+            ROLE,
+            "1 for this process's role on the slot (active streams, standby waits to take over)",
+            t.role_gauge.clone(),
+        );
         registry.register(
             base_name(BUILD_INFO, "_info"),
             "Build information",
@@ -470,6 +522,35 @@ impl Telemetry {
     pub fn set_phase(&self, phase: Phase) {
         self.phase.store(phase as u8, Ordering::Relaxed);
         self.beat();
+    }
+
+    /// Sets the role (and, for a standby, the holder's `application_name`); returns
+    /// whether either changed, so the caller logs every change once.
+    pub fn set_role(&self, role: Role, holder: Option<&str>) -> bool {
+        let holder = holder.filter(|_| role == Role::Standby).map(str::to_owned);
+        let before = Role::from_u8(self.role.swap(role as u8, Ordering::Relaxed));
+        let mut slot = self.holder.lock().unwrap_or_else(|e| e.into_inner());
+        let changed = before != role || *slot != holder;
+        *slot = holder;
+        for r in [Role::Active, Role::Standby] {
+            self.role_gauge
+                .get_or_create(&[("role", r.as_str())])
+                .set(i64::from(r == role));
+        }
+        changed
+    }
+
+    /// The current role.
+    pub fn role(&self) -> Role {
+        Role::from_u8(self.role.load(Ordering::Relaxed))
+    }
+
+    /// The slot holder's `application_name` while standing by.
+    pub fn holder(&self) -> Option<String> {
+        self.holder
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The current phase.
@@ -707,6 +788,8 @@ async fn readyz_handler(axum::extract::State(t): Shared) -> impl axum::response:
             serde_json::json!({
                 "status": "not_ready",
                 "reason": reason,
+                "role": t.role().as_str(),
+                "holder": t.holder(),
                 "unconfirmed": t.unconfirmed.get(),
                 "oldest_unconfirmed_age_s": t.oldest_unconfirmed_age(),
             }),
@@ -758,6 +841,7 @@ mod tests {
             SINCE_STATUS_UPDATE_SECONDS,
             STALLED,
             BROKER_BLOCKED,
+            ROLE,
             BUILD_INFO,
         ] {
             assert!(
@@ -786,6 +870,20 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("version=\""), "{text}");
+        assert!(text.contains("pgoutbox_role{role=\"active\"} 0"), "{text}");
+        assert!(t.set_role(Role::Standby, Some("pgoutbox-a")));
+        assert!(!t.set_role(Role::Standby, Some("pgoutbox-a")), "no change");
+        assert!(
+            t.set_role(Role::Standby, Some("pgoutbox-b")),
+            "a new holder"
+        );
+        assert_eq!(t.holder().as_deref(), Some("pgoutbox-b"));
+        let text = t.encode();
+        assert!(text.contains("pgoutbox_role{role=\"standby\"} 1"), "{text}");
+        assert!(text.contains("pgoutbox_role{role=\"active\"} 0"), "{text}");
+        assert!(t.set_role(Role::Active, Some("ignored")));
+        assert_eq!(t.holder(), None);
+        assert!(t.encode().contains("pgoutbox_role{role=\"active\"} 1"));
     }
 
     #[test]

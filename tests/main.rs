@@ -18,5 +18,6 @@ mod observability;
 mod operations;
 mod proxy_smoke;
 mod publisher_wire;
+mod standby;
 mod status;
 mod tls;

@@ -65,6 +65,90 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, Erro
     })
 }
 
+/// What a standby's SQL session is called while it stands by for a slot
+/// (`application_name`, so [`standbys`] and a person reading `pg_stat_activity` see it):
+/// this prefix, [`slot_tag`] of the slot, `:` and the standby's own `application_name`.
+pub const STANDBY_APPLICATION_PREFIX: &str = "pgoutbox-standby:";
+
+/// Eight hex digits naming a slot inside an `application_name` (FNV-1a, 32 bits): a slot
+/// name of up to 63 bytes would not leave room for the standby's own name in the server's
+/// 63 bytes.
+pub fn slot_tag(slot: &str) -> String {
+    let hash = slot.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    format!("{hash:08x}")
+}
+
+/// The `application_name` of a standby for `slot` whose replication sessions are called
+/// `application_name`, cut to the server's 63 bytes (the end of a long instance id is cut).
+pub fn standby_application_name(slot: &str, application_name: &str) -> String {
+    let mut name = format!(
+        "{STANDBY_APPLICATION_PREFIX}{}:{application_name}",
+        slot_tag(slot)
+    );
+    let mut end = name.len().min(63);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name.truncate(end);
+    name
+}
+
+/// The standbys of `slot`: the `application_name` of each `run` process standing by for it
+/// in this database (from `pg_stat_activity`), sorted; a name longer than 37 bytes shows
+/// cut.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn standbys(client: &Client, slot: &str) -> Result<Vec<String>, Error> {
+    let prefix = format!("{STANDBY_APPLICATION_PREFIX}{}:", slot_tag(slot));
+    let rows = client
+        .query(
+            "SELECT substr(application_name, length($1) + 1) FROM pg_stat_activity
+             WHERE datname = current_database() AND starts_with(application_name, $1)
+             ORDER BY 1",
+            &[&prefix],
+        )
+        .await
+        .map_err(|e| Error::sql("reading pg_stat_activity", e))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+#[cfg(test)]
+#[test]
+fn standby_names_fit_and_name_the_slot() {
+    assert_eq!(slot_tag("pgoutbox"), slot_tag("pgoutbox"));
+    assert_ne!(slot_tag("pgoutbox"), slot_tag("pgoutbox2"));
+    let long = "x".repeat(63);
+    let name = standby_application_name(&long, &"é".repeat(40));
+    assert!(name.len() <= 63, "{name}");
+    assert!(name.starts_with(&format!("{STANDBY_APPLICATION_PREFIX}{}:", slot_tag(&long))));
+    assert_eq!(
+        standby_application_name("s", "pgoutbox-a"),
+        format!("{STANDBY_APPLICATION_PREFIX}{}:pgoutbox-a", slot_tag("s"))
+    );
+}
+
+/// Names this SQL session as a standby for `slot` (see [`standby_application_name`]).
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn mark_standby(
+    client: &Client,
+    slot: &str,
+    application_name: &str,
+) -> Result<(), Error> {
+    client
+        .execute(
+            "SELECT set_config('application_name', $1, false)",
+            &[&standby_application_name(slot, application_name)],
+        )
+        .await
+        .map_err(|e| Error::sql("setting application_name", e))?;
+    Ok(())
+}
+
 /// The slot's `confirmed_flush_lsn`.
 ///
 /// # Errors
@@ -631,6 +715,8 @@ pub struct HealthReport {
     pub active_pid: Option<i32>,
     /// The holder's `application_name`.
     pub holder: Option<String>,
+    /// The `application_name` of each `run` process standing by for the slot.
+    pub standbys: Vec<String>,
     /// Position up to which the consumer acknowledged, `X/Y`.
     pub confirmed_flush_lsn: Option<String>,
     /// Bytes of WAL between `confirmed_flush_lsn` and the current WAL position.
@@ -701,6 +787,7 @@ pub async fn health(
         Some(_) => slot_retention(client, slot).await?,
         None => SlotRetention::default(),
     };
+    let standbys = standbys(client, slot).await.unwrap_or_default();
     let publication_exists = publication_exists(client, publication).await?;
     if !publication_exists {
         problem(
@@ -831,6 +918,7 @@ pub async fn health(
         active: s.is_some_and(|s| s.active),
         active_pid: s.and_then(|s| s.active_pid),
         holder: s.and_then(|s| s.holder.clone()),
+        standbys,
         confirmed_flush_lsn: s.and_then(|s| s.confirmed_flush_lsn.clone()),
         lag_bytes: s.and_then(|s| s.lag_bytes),
         wal_status: s.and_then(|s| s.wal_status.clone()),

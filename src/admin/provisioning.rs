@@ -74,15 +74,48 @@ pub struct SetupReport {
     pub confirmed_flush_lsn: String,
 }
 
+/// Whether `setup` creates a failover slot (`setup --failover`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotFailover {
+    /// An ordinary slot: it lives on this server only.
+    Off,
+    /// A failover slot (PostgreSQL 17+, `failover = true`): physical standbys with
+    /// `sync_replication_slots = on` keep a synced copy, usable after a promotion.
+    On,
+}
+
+/// The first PostgreSQL version (`server_version_num`) with failover slots.
+pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
+
 /// Installs `sql/outbox.sql`, creates the publication (no tables) and the pgoutput slot
-/// when missing. Idempotent.
+/// when missing (with `failover` on PostgreSQL 17+ when asked). Idempotent.
 ///
 /// # Errors
-/// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, or an
-/// existing slot with another plugin or database; [`Error::Sql`] otherwise.
-pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<SetupReport, Error> {
+/// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, an
+/// existing slot with another plugin or database, or [`SlotFailover::On`] on a server older
+/// than 17 or with an existing slot that is not a failover slot; [`Error::Sql`] otherwise.
+pub async fn setup(
+    client: &Client,
+    slot: &str,
+    publication: &str,
+    failover: SlotFailover,
+) -> Result<SetupReport, Error> {
     check_wal_level(client).await?;
     check_replication_role(client).await?;
+    if failover == SlotFailover::On {
+        let version: i32 = client
+            .query_one("SELECT current_setting('server_version_num')::int", &[])
+            .await
+            .map_err(|e| Error::sql("reading server_version_num", e))?
+            .get(0);
+        if version < FAILOVER_SLOTS_SINCE {
+            return Err(Error::Precondition(format!(
+                "--failover: this server is PostgreSQL {}.{} and cannot create failover slots (they need PostgreSQL 17 or newer); run setup without --failover and keep the slot across a failover another way, e.g. as a Patroni permanent slot (see deploy/postgres-ha.md)",
+                version / 10_000,
+                version % 10_000 / 100
+            )));
+        }
+    }
     client
         .batch_execute(OUTBOX_SQL)
         .await
@@ -105,6 +138,21 @@ pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<Set
         Some(row) => {
             let (plugin, db, current): (Option<String>, Option<String>, String) =
                 (row.get(0), row.get(1), row.get(2));
+            if failover == SlotFailover::On {
+                let is_failover: bool = client
+                    .query_one(
+                        "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&slot],
+                    )
+                    .await
+                    .map_err(|e| Error::sql("reading the slot's failover flag", e))?
+                    .get(0);
+                if !is_failover {
+                    return Err(Error::Precondition(format!(
+                        "--failover: slot {slot:?} exists and is not a failover slot; while no streamer holds it, run ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection (psql \"dbname=... replication=database\"), then setup again"
+                    )));
+                }
+            }
             if plugin.as_deref() != Some("pgoutput") || db.as_deref() != Some(current.as_str()) {
                 return Err(Error::Precondition(format!(
                     "slot {slot:?} exists with plugin {} in database {}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot (SELECT pg_drop_replication_slot('{slot}'))",
@@ -115,13 +163,16 @@ pub async fn setup(client: &Client, slot: &str, publication: &str) -> Result<Set
             false
         }
         None => {
-            if let Err(e) = client
-                .query_one(
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&slot],
-                )
-                .await
-            {
+            let create = match failover {
+                SlotFailover::Off => {
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+                }
+                // (slot_name, plugin, temporary, twophase, failover): PostgreSQL 17+.
+                SlotFailover::On => {
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+                }
+            };
+            if let Err(e) = client.query_one(create, &[&slot]).await {
                 if e.code().map(|c| c.code()) == Some("53400") {
                     let max: String = client
                         .query_one("SELECT current_setting('max_replication_slots')", &[])

@@ -19,12 +19,13 @@ use tokio::time::Instant;
 
 use super::dead_letter::DeadLetterWriter;
 use super::event_loop::Core;
+use super::standby::{note_role, Standby};
 use super::RunSummary;
 use crate::admin;
 use crate::config::{parse_database_url, RunConfig};
 use crate::error::Error;
 use crate::lsn::Lsn;
-use crate::metrics::{Phase, Telemetry, DRIVER_BEAT};
+use crate::metrics::{Phase, Role, Telemetry, DRIVER_BEAT};
 use crate::publisher::{Publisher, PublisherConfig};
 use crate::replication::connect::ReplicationConnection;
 use crate::replication::session::ReplicationStream;
@@ -37,10 +38,6 @@ const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 pub const RECONNECT_MIN: Duration = Duration::from_millis(500);
 /// See [`RECONNECT_MIN`]: the longest wait between two sessions.
 pub const RECONNECT_MAX: Duration = Duration::from_secs(30);
-/// Bounds of the delay between two tries of a slot held by another process (a standby).
-const SLOT_BUSY_MIN: Duration = Duration::from_millis(250);
-/// See [`SLOT_BUSY_MIN`]: the longest wait between two tries.
-pub const SLOT_BUSY_MAX: Duration = Duration::from_secs(10);
 /// A frame that fails to decode this many times in a row at the same LSN is a definite
 /// error: reconnecting will only read the same bytes again.
 pub const DECODE_FAILURE_LIMIT: u32 = 3;
@@ -246,6 +243,9 @@ pub async fn run(
         )
         .await;
         telemetry.set_phase(Phase::Connecting);
+        if result.is_err() {
+            note_role(&telemetry, &config.slot, Role::None, None);
+        }
         let error = match result {
             Ok(()) => return Ok(summary),
             Err(e) => e,
@@ -351,6 +351,7 @@ async fn run_session(
         lockdown,
     } = connected;
     telemetry.session_started();
+    note_role(telemetry, &config.slot, Role::Active, None);
     let mut core = Core::new(
         config.clone(),
         stream,
@@ -578,9 +579,9 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
 
 /// Opens the replication connection and starts streaming at `start` (the server starts at
 /// the slot's confirmed_flush_lsn when that is further). While another process holds the
-/// slot it waits with backoff ([`SLOT_BUSY_MIN`] to [`SLOT_BUSY_MAX`]), logging the holder,
-/// for `slot_busy_timeout` (forever when `None`: a standby). The caller races this against
-/// shutdown.
+/// slot this process is a standby ([`super::standby`]): it polls the holder every
+/// `--standby-poll-ms` and tries again as soon as the slot is free, for `slot_busy_timeout`
+/// (forever when `None`). The caller races this against shutdown.
 async fn start_stream(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
@@ -589,14 +590,16 @@ async fn start_stream(
     start: Lsn,
     telemetry: &Telemetry,
 ) -> Result<(ReplicationStream, Duration), Error> {
-    let began = Instant::now();
-    let mut delays = backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX);
+    let mut standby = Standby::new(
+        config.standby_poll,
+        config.slot_busy_timeout,
+        application_name,
+    );
     let options = [
         ("proto_version", "1"),
         ("publication_names", config.publication.as_str()),
         ("messages", "true"),
     ];
-    let mut announced = false;
     loop {
         let mut conn = ReplicationConnection::connect(pg, application_name).await?;
         let identity = conn.identify_system().await?;
@@ -612,53 +615,7 @@ async fn start_stream(
         {
             Ok(stream) => return Ok((stream, status_interval(timeout))),
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
-                let status = admin::slot_status(sql, &config.slot).await.ok();
-                let holder_pid = status
-                    .as_ref()
-                    .and_then(|s| s.active_pid)
-                    .map(|p| p.to_string())
-                    .unwrap_or_else(|| "unknown".into());
-                let holder_name = status
-                    .and_then(|s| s.holder)
-                    .unwrap_or_else(|| "unknown".into());
-                let waited = began.elapsed();
-                if let Some(limit) = config.slot_busy_timeout {
-                    if waited >= limit {
-                        return Err(Error::SlotBusy {
-                            slot: config.slot.clone(),
-                            holder_pid,
-                            holder_name,
-                            waited_s: waited.as_secs(),
-                        });
-                    }
-                }
-                let mut delay = delays.next().unwrap_or(SLOT_BUSY_MAX);
-                if let Some(limit) = config.slot_busy_timeout {
-                    delay = delay.min(limit.saturating_sub(waited) + Duration::from_millis(50));
-                }
-                telemetry.set_phase(Phase::SlotBusy);
-                telemetry.reconnect("slot_busy");
-                // A standby waits here for as long as the active instance lives: say so once
-                // at info, then only at debug.
-                if announced {
-                    tracing::debug!(
-                        slot = %config.slot,
-                        holder_pid = %holder_pid,
-                        holder = %holder_name,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "slot is still active in another process; standing by"
-                    );
-                } else {
-                    tracing::info!(
-                        slot = %config.slot,
-                        holder_pid = %holder_pid,
-                        holder = %holder_name,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "slot is active in another process; standing by (retrying quietly until it is free)"
-                    );
-                    announced = true;
-                }
-                tokio::time::sleep(delay).await;
+                standby.wait(sql, &config.slot, telemetry).await?;
             }
             // PostgreSQL 15: "can no longer get changes from replication slot" once
             // max_slot_wal_keep_size invalidated it.
@@ -721,9 +678,6 @@ mod tests {
             first >= RECONNECT_MIN && first <= RECONNECT_MIN * 2,
             "{first:?}"
         );
-        assert!(backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX)
-            .take(100)
-            .all(|d| d <= SLOT_BUSY_MAX));
     }
 
     #[test]

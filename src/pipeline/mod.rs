@@ -42,6 +42,7 @@ pub mod driver;
 mod event_loop;
 mod feedback;
 mod in_flight;
+mod standby;
 
 pub use driver::run;
 
