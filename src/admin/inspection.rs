@@ -661,6 +661,11 @@ pub struct HealthReport {
     pub newest_dead_letter_error: Option<String>,
     /// When it was dead-lettered, RFC 3339 UTC.
     pub newest_dead_letter_at: Option<String>,
+    /// `outbox.stream_state` for this slot: the last flush LSN `run` reported, the system
+    /// identifier and timeline, the gaps accepted with `--accept-gap` (null: no record).
+    pub stream_state: Option<crate::stream_state::Recorded>,
+    /// A gap in the slot's history that `run` would refuse to start over (null: none).
+    pub gap: Option<crate::stream_state::GapReport>,
     /// The worst of `problems` (healthy when none).
     pub severity: Severity,
     /// What is wrong, worst first.
@@ -813,6 +818,31 @@ pub async fn health(
             format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())),
         ),
     }
+    let (stream_state, gap) = match crate::stream_state::inspect(
+        client,
+        slot,
+        status.as_ref().and_then(|s| s.confirmed_flush_lsn.as_deref()),
+    )
+    .await
+    {
+        Ok(found) => found,
+        Err(e) => {
+            problem(
+                Severity::Warning,
+                format!(
+                    "cannot read outbox.stream_state: {}",
+                    crate::error::one_line(&e)
+                ),
+            );
+            (None, None)
+        }
+    };
+    if let Some(g) = &gap {
+        problem(
+            Severity::Critical,
+            format!("{}; `run` refuses to start until you recover them and pass --accept-gap once", g.message),
+        );
+    }
     problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
     let severity = problems
         .first()
@@ -839,6 +869,8 @@ pub async fn health(
         newest_dead_letter_reason: reason,
         newest_dead_letter_error: error,
         newest_dead_letter_at: at,
+        stream_state,
+        gap,
         severity,
         problems,
     })

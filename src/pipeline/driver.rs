@@ -28,6 +28,7 @@ use crate::metrics::{Phase, Telemetry, DRIVER_BEAT};
 use crate::publisher::{Publisher, PublisherConfig};
 use crate::replication::connect::ReplicationConnection;
 use crate::replication::session::ReplicationStream;
+use crate::stream_state::{self, FlushGate, RecordedHandle, SeenHistory};
 
 /// How long closing the broker connection and the replication stream may take.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -61,7 +62,10 @@ fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
 #[derive(Debug, Default)]
 pub(super) struct SessionMemory {
     /// The last LSN this process knows to be settled (`None` before the first session).
+    /// Reused only while the server's history is the same ([`SeenHistory`]).
     pub resume: Option<Lsn>,
+    /// The server's identity and the flush LSN recorded in the last session.
+    pub seen: Option<SeenHistory>,
     /// The broker's `max_message_size` in bytes, from `--broker-max-message-bytes` or learned
     /// from a channel close (406 PRECONDITION_FAILED, "message size N is larger than
     /// configured max size M"), with the broker's text.
@@ -258,6 +262,9 @@ struct Connected {
     publisher: Publisher<u64>,
     dead_letters: DeadLetterWriter,
     start: Lsn,
+    gate: FlushGate,
+    recorded: RecordedHandle,
+    identity: crate::replication::connect::SystemIdentity,
 }
 
 /// One session: connect (racing shutdown), stream, and return on shutdown (`Ok`) or the
@@ -278,7 +285,7 @@ async fn run_session(
             tracing::info!("shutdown requested while connecting; nothing was in flight");
             return Ok(());
         }
-        c = beating(telemetry, connect(config, pg, memory.resume, telemetry)) => c?,
+        c = beating(telemetry, connect(config, pg, memory, telemetry)) => c?,
     };
     let Connected {
         stream,
@@ -286,6 +293,9 @@ async fn run_session(
         mut publisher,
         dead_letters,
         start,
+        gate,
+        recorded,
+        identity,
     } = connected;
     telemetry.session_started();
     let mut core = Core::new(
@@ -294,12 +304,18 @@ async fn run_session(
         dead_letters,
         start,
         interval,
+        gate,
         memory.broker_limit.clone(),
         std::mem::take(summary),
         Arc::clone(telemetry),
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
     memory.resume = Some(core.flushed());
+    memory.seen = Some(SeenHistory {
+        system_id: identity.system_id,
+        timeline: identity.timeline,
+        recorded: recorded.get(),
+    });
     memory.unsettled_at_end = core.unsettled();
     if let Some(limit) = core.broker_limit() {
         memory.broker_limit = Some(limit);
@@ -332,11 +348,12 @@ async fn run_session(
 async fn connect(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
-    resume: Option<Lsn>,
+    memory: &SessionMemory,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
     admin::preflight(&sql, &config.slot, &config.publication).await?;
+    stream_state::ensure_table(&sql).await?;
     let application_name = format!("pgoutbox-{}", config.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
     let dead_letters = DeadLetterWriter::connect(pg).await?;
@@ -350,12 +367,19 @@ async fn connect(
         },
     };
     let publisher = Publisher::<u64>::connect(&publisher_config).await?;
-    let hint = resume.unwrap_or(Lsn::ZERO);
-    let (stream, interval) =
-        start_stream(config, pg, &sql, &application_name, hint, telemetry).await?;
+    let (stream, interval, identity, hint) =
+        start_stream(config, pg, &sql, &application_name, memory, telemetry).await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
     let start = slot_lsn.max(hint);
+    let (gate, recorded) =
+        match stream_state::session_start(sql, config, &identity, slot_lsn, start).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
+                return Err(e);
+            }
+        };
     tracing::info!(
         slot = %config.slot,
         publication = %config.publication,
@@ -373,6 +397,9 @@ async fn connect(
         publisher,
         dead_letters,
         start,
+        gate,
+        recorded,
+        identity,
     })
 }
 
@@ -446,9 +473,17 @@ async fn start_stream(
     pg: &tokio_postgres::Config,
     sql: &tokio_postgres::Client,
     application_name: &str,
-    start: Lsn,
+    memory: &SessionMemory,
     telemetry: &Telemetry,
-) -> Result<(ReplicationStream, Duration), Error> {
+) -> Result<
+    (
+        ReplicationStream,
+        Duration,
+        crate::replication::connect::SystemIdentity,
+        Lsn,
+    ),
+    Error,
+> {
     let began = Instant::now();
     let mut delays = backoff(SLOT_BUSY_MIN, SLOT_BUSY_MAX);
     let options = [
@@ -466,11 +501,16 @@ async fn start_stream(
             .as_deref()
             .and_then(parse_pg_duration);
         tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
+        // Before START_REPLICATION: a resume position from another history would make the
+        // server skip the new history's commits below it.
+        let start =
+            stream_state::start_hint(sql, &config.slot, memory.resume, memory.seen.as_ref(), &identity)
+                .await?;
         match conn
             .start_logical_replication(&config.slot, start, &options)
             .await
         {
-            Ok(stream) => return Ok((stream, status_interval(timeout))),
+            Ok(stream) => return Ok((stream, status_interval(timeout), identity, start)),
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
                 let status = admin::slot_status(sql, &config.slot).await.ok();
                 let holder_pid = status
