@@ -277,10 +277,7 @@ pub fn resume_position(
 /// cannot be created; [`Error::Sql`].
 pub async fn ensure_table(client: &Client) -> Result<(), Error> {
     let exists: bool = client
-        .query_one(
-            "SELECT to_regclass('outbox.stream_state') IS NOT NULL",
-            &[],
-        )
+        .query_one("SELECT to_regclass('outbox.stream_state') IS NOT NULL", &[])
         .await
         .map_err(|e| Error::sql("looking up outbox.stream_state", e))?
         .get(0);
@@ -415,12 +412,18 @@ pub async fn record_flush(client: &Client, slot: &str, flush: Lsn) -> Result<(),
 /// [`Error::Sql`].
 pub async fn forget(client: &Client, slot: &str) -> Result<(), Error> {
     match client
-        .execute("DELETE FROM outbox.stream_state WHERE slot_name = $1", &[&slot])
+        .execute(
+            "DELETE FROM outbox.stream_state WHERE slot_name = $1",
+            &[&slot],
+        )
         .await
     {
         Ok(_) => Ok(()),
         Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => Ok(()),
-        Err(e) => Err(Error::sql("deleting the slot's row in outbox.stream_state", e)),
+        Err(e) => Err(Error::sql(
+            "deleting the slot's row in outbox.stream_state",
+            e,
+        )),
     }
 }
 
@@ -534,7 +537,10 @@ pub async fn inspect(
         return Ok((None, None));
     };
     let system_id = client
-        .query_one("SELECT system_identifier::text FROM pg_control_system()", &[])
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
         .await
         .map(|r| r.get::<_, String>(0))
         .unwrap_or_else(|_| record.system_identifier.clone());
@@ -687,7 +693,12 @@ mod tests {
 
     #[test]
     fn a_slot_ahead_of_the_record_is_a_gap_naming_both_lsns() {
-        let v = assess("s", Lsn(0x200), &identity("7", 1, 0x300), Some(&record("7", 0x100)));
+        let v = assess(
+            "s",
+            Lsn(0x200),
+            &identity("7", 1, 0x300),
+            Some(&record("7", 0x100)),
+        );
         let Verdict::Gap(gap) = v else {
             panic!("{v:?}")
         };
@@ -695,11 +706,21 @@ mod tests {
         let text = gap.to_string();
         assert!(text.contains("between 0/100 and 0/200"), "{text}");
         assert_eq!(
-            assess("s", Lsn(0x100), &identity("7", 2, 0x300), Some(&record("7", 0x100))),
+            assess(
+                "s",
+                Lsn(0x100),
+                &identity("7", 2, 0x300),
+                Some(&record("7", 0x100))
+            ),
             Verdict::Continuous
         );
         assert_eq!(
-            assess("s", Lsn(0x80), &identity("7", 1, 0x300), Some(&record("7", 0x100))),
+            assess(
+                "s",
+                Lsn(0x80),
+                &identity("7", 1, 0x300),
+                Some(&record("7", 0x100))
+            ),
             Verdict::SlotBehind {
                 slot: Lsn(0x80),
                 recorded: Lsn(0x100)
@@ -709,7 +730,12 @@ mod tests {
             assess("s", Lsn(0x80), &identity("7", 1, 0x300), None),
             Verdict::Continuous
         );
-        let v = assess("s", Lsn(0x80), &identity("8", 1, 0x300), Some(&record("7", 0x100)));
+        let v = assess(
+            "s",
+            Lsn(0x80),
+            &identity("8", 1, 0x300),
+            Some(&record("7", 0x100)),
+        );
         assert!(
             matches!(&v, Verdict::Gap(g) if matches!(g.reason, GapReason::SystemChanged { .. })),
             "{v:?}"
@@ -730,16 +756,31 @@ mod tests {
         );
         assert_eq!(resume_position(None, Some(&seen), &same, None), Ok(None));
         assert_eq!(
-            resume_position(Some(Lsn(0x500)), Some(&seen), &identity("8", 1, 0x900), None),
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("8", 1, 0x900),
+                None
+            ),
             Err(ResumeDropped::SystemChanged)
         );
         assert_eq!(
-            resume_position(Some(Lsn(0x500)), Some(&seen), &identity("7", 2, 0x900), None),
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("7", 2, 0x900),
+                None
+            ),
             Err(ResumeDropped::TimelineChanged { was: 1, now: 2 })
         );
         // A restored data directory: its WAL ends before where we were.
         assert_eq!(
-            resume_position(Some(Lsn(0x500)), Some(&seen), &identity("7", 1, 0x300), None),
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("7", 1, 0x300),
+                None
+            ),
             Err(ResumeDropped::WalBehind {
                 xlogpos: Lsn(0x300)
             })

@@ -821,7 +821,9 @@ pub async fn health(
     let (stream_state, gap) = match crate::stream_state::inspect(
         client,
         slot,
-        status.as_ref().and_then(|s| s.confirmed_flush_lsn.as_deref()),
+        status
+            .as_ref()
+            .and_then(|s| s.confirmed_flush_lsn.as_deref()),
     )
     .await
     {
@@ -840,7 +842,10 @@ pub async fn health(
     if let Some(g) = &gap {
         problem(
             Severity::Critical,
-            format!("{}; `run` refuses to start until you recover them and pass --accept-gap once", g.message),
+            format!(
+                "{}; `run` refuses to start until you recover them and pass --accept-gap once",
+                g.message
+            ),
         );
     }
     problems.sort_by_key(|p| std::cmp::Reverse(p.severity));

@@ -503,9 +503,14 @@ async fn start_stream(
         tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
         // Before START_REPLICATION: a resume position from another history would make the
         // server skip the new history's commits below it.
-        let start =
-            stream_state::start_hint(sql, &config.slot, memory.resume, memory.seen.as_ref(), &identity)
-                .await?;
+        let start = stream_state::start_hint(
+            sql,
+            &config.slot,
+            memory.resume,
+            memory.seen.as_ref(),
+            &identity,
+        )
+        .await?;
         match conn
             .start_logical_replication(&config.slot, start, &options)
             .await

@@ -614,12 +614,16 @@ impl Core {
         };
         if self.gate.recorder_gone() && self.wm.flushed() > recorded {
             // Report what is recorded, then end the session (the reconnect records anew).
-            let update = self.feedback.update(&self.wm, self.received, recorded, kind);
+            let update = self
+                .feedback
+                .update(&self.wm, self.received, recorded, kind);
             let _ = self.stream.send_status(&update).await;
             self.feedback.sent(&update);
             return Err(Error::StreamStateLost);
         }
-        let update = self.feedback.update(&self.wm, self.received, recorded, kind);
+        let update = self
+            .feedback
+            .update(&self.wm, self.received, recorded, kind);
         self.stream.send_status(&update).await?;
         self.feedback.sent(&update);
         self.telemetry.status_sent();

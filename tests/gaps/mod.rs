@@ -31,7 +31,9 @@ fn recorded(ob: &Outbox<'_>) -> String {
 /// Emits `n` messages, one transaction each, with ids `{prefix}-1` .. `{prefix}-n`.
 fn emit(ob: &Outbox<'_>, prefix: &str, n: usize) {
     let sql: String = (1..=n)
-        .map(|i| format!("SELECT outbox.emit('gap.t', '{{\"i\": {i}}}', '{{}}', '{prefix}-{i}');\n"))
+        .map(|i| {
+            format!("SELECT outbox.emit('gap.t', '{{\"i\": {i}}}', '{{}}', '{prefix}-{i}');\n")
+        })
         .collect();
     ob.sql(&sql);
 }
@@ -92,7 +94,11 @@ async fn a_recreated_slot_is_refused_naming_the_range_until_the_gap_is_accepted(
     ob.sql(&format!("SELECT pg_drop_replication_slot('{}')", ob.slot));
     emit(&ob, "lost", 3);
     let out = ob.cli(&["setup", "--publication", &ob.publication]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let to = ob
         .sql(&format!(
             "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{}'",
@@ -140,11 +146,16 @@ async fn a_recreated_slot_is_refused_naming_the_range_until_the_gap_is_accepted(
     assert_eq!(gaps[0]["from_lsn"], from.as_str(), "{report}");
     assert_eq!(gaps[0]["to_lsn"], to.as_str(), "{report}");
     assert_eq!(gaps[0]["reason"], "slot_recreated", "{report}");
-    assert!(report["gap"].is_null(), "accepted, no longer pending: {report}");
+    assert!(
+        report["gap"].is_null(),
+        "accepted, no longer pending: {report}"
+    );
     let text = ob.cli(&["status", "--publication", &ob.publication]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
-        text.contains(&format!("accepted gap:           {from} to {to} (slot_recreated")),
+        text.contains(&format!(
+            "accepted gap:           {from} to {to} (slot_recreated"
+        )),
         "{text}"
     );
 }
@@ -185,7 +196,11 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         .arg(to)
         .output()
         .expect("cp");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Issue 10: a running streamer; stop Postgres and copy its data directory; start it,
