@@ -11,5 +11,7 @@ GRANT CREATE ON DATABASE app TO pgoutbox;
 GRANT USAGE ON SCHEMA outbox TO pgoutbox;
 GRANT SELECT, INSERT ON outbox.dead_letter TO pgoutbox;
 GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pgoutbox;
+-- It records the slot's history (the last flush LSN it reported) in outbox.stream_state.
+GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO pgoutbox;
 -- Producers: after `pgoutbox setup` created schema outbox.
 GRANT USAGE ON SCHEMA outbox TO app_writer;

@@ -350,6 +350,11 @@ pub struct RunArgs {
     /// counts as stalled (/readyz 503 "stalled", a warning once a minute); 1 to 3600.
     #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs())]
     pub stall_after_s: u64,
+    /// Start even though the slot's history has a gap (the slot was dropped and recreated,
+    /// or the database is another cluster): the range that may be missing is logged and
+    /// recorded in outbox.stream_state. A one-off decision: no variable, no file key.
+    #[arg(long)]
+    pub accept_gap: bool,
 }
 
 /// A parsed `--http-addr` (`None`: off).
@@ -404,6 +409,7 @@ impl RunArgs {
             instance_id,
             http_addr: self.http_addr.0,
             stall_after: Duration::from_secs(self.stall_after_s),
+            accept_gap: self.accept_gap,
         }
     }
 }

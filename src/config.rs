@@ -394,6 +394,9 @@ pub struct RunConfig {
     /// Unconfirmed messages with no settle for this long are a stall (`/readyz` 503, the
     /// `pgoutbox_stalled` gauge, a warning a minute).
     pub stall_after: Duration,
+    /// Start even when the slot's history has a gap (`--accept-gap`; see
+    /// [`crate::stream_state`]): the gap is logged and recorded in `outbox.stream_state`.
+    pub accept_gap: bool,
 }
 
 impl std::fmt::Debug for RunConfig {
@@ -427,6 +430,7 @@ impl std::fmt::Debug for RunConfig {
             .field("instance_id", &self.instance_id)
             .field("http_addr", &self.http_addr)
             .field("stall_after", &self.stall_after)
+            .field("accept_gap", &self.accept_gap)
             .finish()
     }
 }
@@ -747,6 +751,7 @@ mod tests {
             instance_id: "test".into(),
             http_addr: None,
             stall_after: DEFAULT_STALL_AFTER,
+            accept_gap: false,
         };
         config.validate().unwrap();
         config

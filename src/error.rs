@@ -54,6 +54,10 @@ pub enum Error {
         /// Its last confirmed position.
         confirmed_flush_lsn: String,
     },
+    /// The slot's history has a gap (recreated slot, another cluster): outbox messages in
+    /// the named range may never have been delivered. Definite.
+    #[error("{0}. pgoutbox refuses to start over silently: recover those messages if they matter (from the producers, or a backup of the database), then run once with --accept-gap, which records the gap in outbox.stream_state and streams from the slot")]
+    SlotGap(crate::stream_state::Gap),
     /// The slot stayed held by another process past the retry budget.
     #[error("replication slot {slot:?} is still held by another process (pid {holder_pid}, application_name {holder_name:?}) after {waited_s} s; stop the other streamer or raise --slot-busy-timeout-s (0 waits forever)")]
     SlotBusy {
@@ -70,6 +74,11 @@ pub enum Error {
     /// unknown, so the session restarts from the last settled LSN.
     #[error("lost the RabbitMQ connection or channel: {0}")]
     BrokerLost(String),
+    /// The SQL connection that records the flush LSN in `outbox.stream_state` closed (a
+    /// PostgreSQL shutdown or restart): the session ends so the server is not kept waiting
+    /// for a flush position that can no longer be recorded. Retryable.
+    #[error("the SQL connection recording the flush LSN in outbox.stream_state closed (PostgreSQL shutting down or restarting?); ending the session")]
+    StreamStateLost,
     /// The WAL stream was not in the order pgoutput promises.
     #[error("unexpected replication stream: {0}")]
     Stream(String),
@@ -132,6 +141,7 @@ impl Error {
             | Error::Precondition(_)
             | Error::SlotLost { .. }
             | Error::SlotBusy { .. }
+            | Error::SlotGap(_)
             | Error::UndecodableWal { .. }
             | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,

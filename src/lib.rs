@@ -34,6 +34,7 @@ pub mod pgoutput;
 pub mod pipeline;
 pub mod publisher;
 pub mod replication;
+pub mod stream_state;
 pub mod watermark;
 
 pub use error::Error;

@@ -471,6 +471,28 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
                 or_dash(r.newest_dead_letter_error.clone())
             );
         }
+        match &r.stream_state {
+            Some(st) => {
+                println!(
+                    "recorded flush_lsn:     {} (system {}, timeline {}, at {})",
+                    st.flush_lsn, st.system_identifier, st.timeline, st.updated_at
+                );
+                for g in &st.accepted_gaps {
+                    println!(
+                        "accepted gap:           {} to {} ({}, accepted {})",
+                        g.from_lsn, g.to_lsn, g.reason, g.accepted_at
+                    );
+                }
+            }
+            None => println!("recorded flush_lsn:     - (no record yet)"),
+        }
+        println!(
+            "gap:                    {}",
+            r.gap
+                .as_ref()
+                .map(|g| format!("{} to {} ({})", g.from_lsn, g.to_lsn, g.reason))
+                .unwrap_or_else(|| "none".into())
+        );
         println!(
             "severity:               {}",
             match r.severity {

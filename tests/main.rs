@@ -10,6 +10,7 @@ mod deploy_files;
 mod end_to_end;
 mod errors;
 mod faults;
+mod gaps;
 mod hardening;
 mod harness_smoke;
 mod lifecycle;

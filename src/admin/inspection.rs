@@ -751,6 +751,11 @@ pub struct HealthReport {
     /// Whether `setup --lockdown` is in effect in this database (information only: it never
     /// changes `severity`); null when it could not be read.
     pub lockdown: Option<super::lockdown::LockdownState>,
+    /// `outbox.stream_state` for this slot: the last flush LSN `run` reported, the system
+    /// identifier and timeline, the gaps accepted with `--accept-gap` (null: no record).
+    pub stream_state: Option<crate::stream_state::Recorded>,
+    /// A gap in the slot's history that `run` would refuse to start over (null: none).
+    pub gap: Option<crate::stream_state::GapReport>,
     /// The worst of `problems` (healthy when none).
     pub severity: Severity,
     /// What is wrong, worst first.
@@ -906,6 +911,36 @@ pub async fn health(
     }
     // Information only: never a problem, never the exit code.
     let lockdown = super::lockdown::lockdown_state(client).await.ok();
+    let (stream_state, gap) = match crate::stream_state::inspect(
+        client,
+        slot,
+        status
+            .as_ref()
+            .and_then(|s| s.confirmed_flush_lsn.as_deref()),
+    )
+    .await
+    {
+        Ok(found) => found,
+        Err(e) => {
+            problem(
+                Severity::Warning,
+                format!(
+                    "cannot read outbox.stream_state: {}",
+                    crate::error::one_line(&e)
+                ),
+            );
+            (None, None)
+        }
+    };
+    if let Some(g) = &gap {
+        problem(
+            Severity::Critical,
+            format!(
+                "{}; `run` refuses to start until you recover them and pass --accept-gap once",
+                g.message
+            ),
+        );
+    }
     problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
     let severity = problems
         .first()
@@ -934,6 +969,8 @@ pub async fn health(
         newest_dead_letter_error: error,
         newest_dead_letter_at: at,
         lockdown,
+        stream_state,
+        gap,
         severity,
         problems,
     })

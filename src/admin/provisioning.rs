@@ -87,8 +87,9 @@ pub enum SlotFailover {
 /// The first PostgreSQL version (`server_version_num`) with failover slots.
 pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
 
-/// Installs `sql/outbox.sql`, creates the publication (no tables) and the pgoutput slot
-/// when missing (with `failover` on PostgreSQL 17+ when asked). Idempotent.
+/// Installs `sql/outbox.sql` and `sql/stream_state.sql`, creates the publication (no
+/// tables) and the pgoutput slot when missing (with `failover` on PostgreSQL 17+ when
+/// asked). Idempotent.
 ///
 /// # Errors
 /// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, an
@@ -120,6 +121,10 @@ pub async fn setup(
         .batch_execute(OUTBOX_SQL)
         .await
         .map_err(|e| Error::sql("installing sql/outbox.sql", e))?;
+    client
+        .batch_execute(crate::stream_state::STREAM_STATE_SQL)
+        .await
+        .map_err(|e| Error::sql("installing sql/stream_state.sql", e))?;
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client
@@ -205,7 +210,7 @@ pub struct TeardownReport {
     pub publication_dropped: bool,
 }
 
-/// Drops the slot and the publication. Refuses while the slot holds unsent outbox
+/// Drops the slot and the publication, and the slot's row in `outbox.stream_state`. Refuses while the slot holds unsent outbox
 /// messages unless `force`; refuses while the slot is active.
 ///
 /// # Errors
@@ -246,6 +251,8 @@ pub async fn teardown(
             .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
             .await
             .map_err(|e| Error::sql(format!("dropping slot {slot:?}"), e))?;
+        // The slot's history ends here on purpose: a new slot starts a new record.
+        crate::stream_state::forget(client, slot).await?;
     }
     let publication_dropped = publication_exists(client, publication).await?;
     if publication_dropped {

@@ -29,6 +29,7 @@ use crate::metrics::{Phase, Role, Telemetry, DRIVER_BEAT};
 use crate::publisher::{Publisher, PublisherConfig};
 use crate::replication::connect::ReplicationConnection;
 use crate::replication::session::ReplicationStream;
+use crate::stream_state::{self, FlushGate, RecordedHandle, SeenHistory};
 
 /// How long closing the broker connection and the replication stream may take.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -58,7 +59,10 @@ fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
 #[derive(Debug, Default)]
 pub(super) struct SessionMemory {
     /// The last LSN this process knows to be settled (`None` before the first session).
+    /// Reused only while the server's history is the same ([`SeenHistory`]).
     pub resume: Option<Lsn>,
+    /// The server's identity and the flush LSN recorded in the last session.
+    pub seen: Option<SeenHistory>,
     /// The broker's `max_message_size` in bytes, from `--broker-max-message-bytes` or learned
     /// from a channel close (406 PRECONDITION_FAILED, "message size N is larger than
     /// configured max size M"), with the broker's text.
@@ -319,6 +323,9 @@ struct Connected {
     dead_letters: DeadLetterWriter,
     start: Lsn,
     lockdown: crate::lockdown::Lockdown,
+    gate: FlushGate,
+    recorded: RecordedHandle,
+    identity: crate::replication::connect::SystemIdentity,
 }
 
 /// One session: connect (racing shutdown), stream, and return on shutdown (`Ok`) or the
@@ -339,7 +346,7 @@ async fn run_session(
             tracing::info!("shutdown requested while connecting; nothing was in flight");
             return Ok(());
         }
-        c = beating(telemetry, connect(config, pg, memory.resume, &memory.nodes, telemetry)) => c?,
+        c = beating(telemetry, connect(config, pg, memory, telemetry)) => c?,
     };
     let Connected {
         stream,
@@ -349,6 +356,9 @@ async fn run_session(
         dead_letters,
         start,
         lockdown,
+        gate,
+        recorded,
+        identity,
     } = connected;
     telemetry.session_started();
     note_role(telemetry, &config.slot, Role::Active, None);
@@ -358,6 +368,7 @@ async fn run_session(
         dead_letters,
         start,
         interval,
+        gate,
         memory.broker_limit.clone(),
         std::mem::take(summary),
         Arc::clone(telemetry),
@@ -371,6 +382,11 @@ async fn run_session(
             .is_err_and(|e| reconnect_cause(e) == "broker"),
     );
     memory.resume = Some(core.flushed());
+    memory.seen = Some(SeenHistory {
+        system_id: identity.system_id,
+        timeline: identity.timeline,
+        recorded: recorded.get(),
+    });
     memory.unsettled_at_end = core.unsettled();
     if let Some(limit) = core.broker_limit() {
         memory.broker_limit = Some(limit);
@@ -403,12 +419,12 @@ async fn run_session(
 async fn connect(
     config: &RunConfig,
     pg: &tokio_postgres::Config,
-    resume: Option<Lsn>,
-    nodes: &BrokerNodes,
+    memory: &SessionMemory,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
     admin::preflight(&sql, &config.slot, &config.publication).await?;
+    stream_state::ensure_table(&sql).await?;
     let application_name = format!("pgoutbox-{}", config.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
     // Read before START_REPLICATION: a lockdown committed after this read is decoded in the
@@ -425,13 +441,20 @@ async fn connect(
             lost: telemetry.broker_lost_flag(),
         },
     };
-    let (publisher, node) = connect_broker(nodes, publisher_config).await?;
-    let hint = resume.unwrap_or(Lsn::ZERO);
-    let (stream, interval) =
-        start_stream(config, pg, &sql, &application_name, hint, telemetry).await?;
+    let (publisher, node) = connect_broker(&memory.nodes, publisher_config).await?;
+    let (stream, interval, identity, hint) =
+        start_stream(config, pg, &sql, &application_name, memory, telemetry).await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
     let start = slot_lsn.max(hint);
+    let (gate, recorded) =
+        match stream_state::session_start(sql, config, &identity, slot_lsn, start).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
+                return Err(e);
+            }
+        };
     tracing::info!(
         slot = %config.slot,
         publication = %config.publication,
@@ -452,6 +475,9 @@ async fn connect(
         dead_letters,
         start,
         lockdown,
+        gate,
+        recorded,
+        identity,
     })
 }
 
@@ -587,9 +613,17 @@ async fn start_stream(
     pg: &tokio_postgres::Config,
     sql: &tokio_postgres::Client,
     application_name: &str,
-    start: Lsn,
+    memory: &SessionMemory,
     telemetry: &Telemetry,
-) -> Result<(ReplicationStream, Duration), Error> {
+) -> Result<
+    (
+        ReplicationStream,
+        Duration,
+        crate::replication::connect::SystemIdentity,
+        Lsn,
+    ),
+    Error,
+> {
     let mut standby = Standby::new(
         config.standby_poll,
         config.slot_busy_timeout,
@@ -609,11 +643,21 @@ async fn start_stream(
             .as_deref()
             .and_then(parse_pg_duration);
         tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
+        // Before START_REPLICATION: a resume position from another history would make the
+        // server skip the new history's commits below it.
+        let start = stream_state::start_hint(
+            sql,
+            &config.slot,
+            memory.resume,
+            memory.seen.as_ref(),
+            &identity,
+        )
+        .await?;
         match conn
             .start_logical_replication(&config.slot, start, &options)
             .await
         {
-            Ok(stream) => return Ok((stream, status_interval(timeout))),
+            Ok(stream) => return Ok((stream, status_interval(timeout), identity, start)),
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
                 standby.wait(sql, &config.slot, telemetry).await?;
             }

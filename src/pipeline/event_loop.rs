@@ -29,6 +29,7 @@ use crate::pgoutput::{self, LogicalMessage};
 use crate::publisher::{PublishOutcome, Publisher};
 use crate::replication::session::ReplicationStream;
 use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
+use crate::stream_state::FlushGate;
 use crate::watermark::AckWatermark;
 
 /// Frames handled per loop turn before confirms and timers get another look.
@@ -46,6 +47,9 @@ const NACK_RETRY_MIN: Duration = Duration::from_millis(100);
 const NACK_RETRY_MAX: Duration = Duration::from_secs(5);
 /// Retry delay bound for a returned message under `--on-unroutable block`.
 const BLOCK_RETRY_MAX: Duration = Duration::from_secs(30);
+/// How long the final standby status update of a shutdown waits for the flush LSN to be
+/// recorded in `outbox.stream_state` (it reports what is recorded by then).
+const RECORD_SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why the loop is draining.
 enum Drain {
@@ -64,6 +68,8 @@ pub(super) struct Core {
     /// Highest WAL position seen (commit ends and keepalive ends): the "write" position.
     received: Lsn,
     feedback: Feedback,
+    /// What `outbox.stream_state` holds: status updates report no flush LSN beyond it.
+    gate: FlushGate,
     stall: StallWatch,
     /// The next read of a trickling stream waits until then (see `RunConfig::read_coalesce`).
     next_read_at: Instant,
@@ -94,6 +100,7 @@ impl Core {
         dead_letters: DeadLetterWriter,
         start: Lsn,
         interval: Duration,
+        gate: FlushGate,
         broker_limit: Option<BrokerLimit>,
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
@@ -107,6 +114,7 @@ impl Core {
             wm: AckWatermark::new(start),
             received: start,
             feedback: Feedback::new(interval),
+            gate,
             stall,
             next_read_at: Instant::now(),
             current_txn: None,
@@ -123,6 +131,8 @@ impl Core {
     /// Reports this turn to the metrics (counters, gauges, latencies, the stall clock and
     /// the heartbeat): a few relaxed atomic stores, once per turn, never per message.
     fn report_turn(&mut self) {
+        // Once per turn: ask the recorder to record where the watermark is now.
+        self.gate.want(self.wm.flushed());
         let now = Instant::now();
         let unconfirmed = self.wm.unconfirmed();
         if let Some(at) = self.stall.turn(unconfirmed, now) {
@@ -307,7 +317,7 @@ impl Core {
     /// outstanding) so a reconnect does not re-send what the broker already has.
     fn on_error(&mut self, e: Error) -> Result<Option<Drain>, Error> {
         match e {
-            Error::Replication(_) if self.wm.unconfirmed() > 0 => {
+            Error::Replication(_) | Error::StreamStateLost if self.wm.unconfirmed() > 0 => {
                 tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
                 self.telemetry.set_phase(Phase::ReplicationLost);
                 Ok(Some(Drain::PostgresLost(
@@ -609,7 +619,25 @@ impl Core {
     }
 
     async fn send_status(&mut self, kind: StatusUpdateKind) -> Result<(), Error> {
-        let update = self.feedback.update(&self.wm, self.received, kind);
+        let recorded = if kind == StatusUpdateKind::ShutdownFlush {
+            self.gate
+                .settle(self.wm.flushed(), RECORD_SETTLE_TIMEOUT)
+                .await
+        } else {
+            self.gate.allowed()
+        };
+        if self.gate.recorder_gone() && self.wm.flushed() > recorded {
+            // Report what is recorded, then end the session (the reconnect records anew).
+            let update = self
+                .feedback
+                .update(&self.wm, self.received, recorded, kind);
+            let _ = self.stream.send_status(&update).await;
+            self.feedback.sent(&update);
+            return Err(Error::StreamStateLost);
+        }
+        let update = self
+            .feedback
+            .update(&self.wm, self.received, recorded, kind);
         self.stream.send_status(&update).await?;
         self.feedback.sent(&update);
         self.telemetry.status_sent();

@@ -66,21 +66,23 @@ impl Feedback {
         }
     }
 
-    /// Builds the update to send now. A `Periodic` update becomes an
-    /// [`StatusUpdateKind::IdleProbe`] when the watermark is idle and behind `received`
-    /// (at most once per [`PROBE_INTERVAL`]).
+    /// Builds the update to send now, reporting `min(watermark, recorded)`: never a flush
+    /// position beyond what `outbox.stream_state` holds (see [`crate::stream_state`]). A
+    /// `Periodic` update becomes an [`StatusUpdateKind::IdleProbe`] when the watermark is
+    /// idle and behind `received` (at most once per [`PROBE_INTERVAL`]).
     pub fn update(
         &mut self,
         wm: &AckWatermark,
         received: Lsn,
+        recorded: Lsn,
         kind: StatusUpdateKind,
     ) -> StandbyStatusUpdate {
-        let flush = wm.flushed();
+        let flush = wm.flushed().min(recorded).max(self.last_sent_flush);
         let now = Instant::now();
         let kind = match kind {
             StatusUpdateKind::Periodic
                 if wm.is_idle()
-                    && flush < received
+                    && wm.flushed() < received
                     && self
                         .last_probe_at
                         .is_none_or(|at| now.duration_since(at) >= PROBE_INTERVAL) =>

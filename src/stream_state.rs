@@ -1,0 +1,797 @@
+//! `outbox.stream_state`: our record of the slot's history, and the gap rule.
+//!
+//! A slot that was dropped and recreated, a failover to a server whose slot lags, or a
+//! restore of the data directory changes the slot's history under the streamer. Resuming
+//! from the later of two positions then silently skips what lies between them. So `run`
+//! keeps, per slot, IDENTIFY_SYSTEM's system identifier and timeline and the last flush LSN it
+//! reported (`sql/stream_state.sql`), and compares on every session start:
+//!
+//! ```text
+//!   slot confirmed_flush_lsn  >  recorded flush_lsn   -> gap (recreated slot): refuse
+//!   system identifier changed                          -> gap (another cluster): refuse
+//!   slot confirmed_flush_lsn  <  recorded flush_lsn   -> duplicates only: warn, go on
+//! ```
+//!
+//! `--accept-gap` starts anyway and appends the gap to `accepted_gaps` (and the log).
+//!
+//! The record is never behind what the server was told: the session start writes it before
+//! the first standby status update, and the [`FlushGate`] lets the pipeline report only
+//! `min(watermark, recorded)` while a [`recorder`] task raises `recorded` with a small
+//! committed `UPDATE` at most every [`RECORD_INTERVAL`]. The pipeline core stays a plain
+//! state machine: it publishes the position it would like to report and reads the one it
+//! may report, once per loop turn (never per message).
+//!
+//! In process, the position a session ended at is reused by the next one only while the
+//! server's history is the same ([`resume_position`]): same system identifier and timeline,
+//! `xlogpos` not below it, and the database's record not behind what this process
+//! recorded (a restored data directory or a promoted standby carries an older record).
+
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio_postgres::Client;
+
+use crate::error::Error;
+use crate::lsn::Lsn;
+use crate::replication::connect::SystemIdentity;
+
+/// The table's DDL, installed by `setup` (idempotent).
+pub const STREAM_STATE_SQL: &str = include_str!("../sql/stream_state.sql");
+
+/// Shortest time between two writes of the recorded flush LSN: the status-update coalescing
+/// interval, so a moving flush position costs one small commit per status update at most.
+pub const RECORD_INTERVAL: Duration = crate::config::STATUS_COALESCE;
+
+/// What `outbox.stream_state` holds for one slot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Recorded {
+    /// The slot.
+    pub slot: String,
+    /// IDENTIFY_SYSTEM's `systemid` at the last session start.
+    pub system_identifier: String,
+    /// IDENTIFY_SYSTEM's `timeline` at the last session start.
+    pub timeline: u32,
+    /// The last flush LSN reported to the server (or about to be), `X/Y`.
+    #[serde(serialize_with = "lsn_text")]
+    pub flush_lsn: Lsn,
+    /// When the row was last written, RFC 3339 UTC.
+    pub updated_at: String,
+    /// Gaps accepted with `--accept-gap`, oldest first.
+    pub accepted_gaps: Vec<AcceptedGap>,
+}
+
+/// A gap started over with `--accept-gap`, as stored in `accepted_gaps`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct AcceptedGap {
+    /// The recorded flush LSN (`X/Y`): the last position known to be delivered.
+    pub from_lsn: String,
+    /// Where the slot began instead (`X/Y`).
+    pub to_lsn: String,
+    /// Why it is a gap (`slot_recreated`, `system_changed`).
+    pub reason: String,
+    /// When it was accepted, RFC 3339 UTC.
+    pub accepted_at: String,
+}
+
+fn lsn_text<S: serde::Serializer>(lsn: &Lsn, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&lsn.to_string())
+}
+
+/// Why the slot's history has a gap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GapReason {
+    /// The slot now begins after the last flush LSN we reported: it was dropped and
+    /// recreated (or advanced by someone else).
+    SlotRecreated,
+    /// IDENTIFY_SYSTEM names another cluster than the one recorded.
+    SystemChanged {
+        /// The recorded system identifier.
+        recorded: String,
+        /// The server's now.
+        now: String,
+    },
+}
+
+impl GapReason {
+    /// The short name stored in `accepted_gaps.reason`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            GapReason::SlotRecreated => "slot_recreated",
+            GapReason::SystemChanged { .. } => "system_changed",
+        }
+    }
+}
+
+/// A range of the outbox that may never have been delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gap {
+    /// The slot.
+    pub slot: String,
+    /// The recorded flush LSN: everything up to it was delivered.
+    pub from: Lsn,
+    /// Where the slot begins now (its `confirmed_flush_lsn`).
+    pub to: Lsn,
+    /// Why.
+    pub reason: GapReason,
+}
+
+impl std::fmt::Display for Gap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let why = match &self.reason {
+            GapReason::SlotRecreated => format!(
+                "slot {:?} now begins at {} but pgoutbox last reported {} as flushed (the slot was dropped and recreated, or advanced by someone else)",
+                self.slot, self.to, self.from
+            ),
+            GapReason::SystemChanged { recorded, now } => format!(
+                "the server's system identifier is {now}, but slot {:?} was streamed from system {recorded} (another cluster, restored from a logical dump or recreated)",
+                self.slot
+            ),
+        };
+        write!(
+            f,
+            "{why}: outbox messages committed between {} and {} may never have been delivered",
+            self.from, self.to
+        )
+    }
+}
+
+/// How the slot compares with the record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// No record yet (a new slot, or a database set up by an older version), or the slot
+    /// begins exactly where the record says.
+    Continuous,
+    /// The slot begins before the recorded flush LSN (a server crash, a restored slot, a
+    /// failover to a standby whose slot lags): only duplicates.
+    SlotBehind {
+        /// The slot's confirmed_flush_lsn.
+        slot: Lsn,
+        /// The recorded flush LSN.
+        recorded: Lsn,
+    },
+    /// A gap: refuse unless `--accept-gap`.
+    Gap(Gap),
+}
+
+/// Compares the slot's `confirmed_flush_lsn` and the server's identity with the record.
+pub fn assess(
+    slot: &str,
+    slot_confirmed: Lsn,
+    identity: &SystemIdentity,
+    record: Option<&Recorded>,
+) -> Verdict {
+    let Some(r) = record else {
+        return Verdict::Continuous;
+    };
+    if r.system_identifier != identity.system_id {
+        return Verdict::Gap(Gap {
+            slot: slot.to_owned(),
+            from: r.flush_lsn,
+            to: slot_confirmed,
+            reason: GapReason::SystemChanged {
+                recorded: r.system_identifier.clone(),
+                now: identity.system_id.clone(),
+            },
+        });
+    }
+    match slot_confirmed.cmp(&r.flush_lsn) {
+        std::cmp::Ordering::Greater => Verdict::Gap(Gap {
+            slot: slot.to_owned(),
+            from: r.flush_lsn,
+            to: slot_confirmed,
+            reason: GapReason::SlotRecreated,
+        }),
+        std::cmp::Ordering::Less => Verdict::SlotBehind {
+            slot: slot_confirmed,
+            recorded: r.flush_lsn,
+        },
+        std::cmp::Ordering::Equal => Verdict::Continuous,
+    }
+}
+
+/// What this process saw of the server's history in its last session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeenHistory {
+    /// IDENTIFY_SYSTEM's `systemid`.
+    pub system_id: String,
+    /// IDENTIFY_SYSTEM's `timeline`.
+    pub timeline: u32,
+    /// The highest flush LSN this process recorded in `outbox.stream_state`.
+    pub recorded: Lsn,
+}
+
+/// Why an in-process resume position was dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResumeDropped {
+    /// Another system identifier.
+    SystemChanged,
+    /// Another timeline (a promoted standby).
+    TimelineChanged {
+        /// The last session's timeline.
+        was: u32,
+        /// The server's now.
+        now: u32,
+    },
+    /// The server's WAL ends before the resume position (a restored data directory, a
+    /// standby that lags).
+    WalBehind {
+        /// IDENTIFY_SYSTEM's `xlogpos`.
+        xlogpos: Lsn,
+    },
+    /// The database's record is behind what this process recorded: the database went back
+    /// in time (restored, or a standby that had not replayed it).
+    RecordBehind {
+        /// What the database holds now.
+        record: Lsn,
+        /// What this process wrote.
+        recorded: Lsn,
+    },
+}
+
+/// The START_REPLICATION position for a session: the last session's settled LSN when the
+/// server's history is the one this process streamed from, else `Err` with the reason (the
+/// caller starts from the slot and applies the gap rule). `None` resume is `Ok(None)`.
+///
+/// # Errors
+/// [`ResumeDropped`] when the history changed.
+pub fn resume_position(
+    resume: Option<Lsn>,
+    seen: Option<&SeenHistory>,
+    identity: &SystemIdentity,
+    record: Option<Lsn>,
+) -> Result<Option<Lsn>, ResumeDropped> {
+    let Some(resume) = resume else {
+        return Ok(None);
+    };
+    if let Some(seen) = seen {
+        if seen.system_id != identity.system_id {
+            return Err(ResumeDropped::SystemChanged);
+        }
+        if seen.timeline != identity.timeline {
+            return Err(ResumeDropped::TimelineChanged {
+                was: seen.timeline,
+                now: identity.timeline,
+            });
+        }
+        if let Some(record) = record.filter(|r| *r < seen.recorded) {
+            return Err(ResumeDropped::RecordBehind {
+                record,
+                recorded: seen.recorded,
+            });
+        }
+    }
+    if identity.xlogpos < resume {
+        return Err(ResumeDropped::WalBehind {
+            xlogpos: identity.xlogpos,
+        });
+    }
+    Ok(Some(resume))
+}
+
+/// Whether `outbox.stream_state` exists; creates it when missing (a database set up by an
+/// older version), when this role may.
+///
+/// # Errors
+/// [`Error::Precondition`] naming the fix (`pgoutbox setup` again) when it is missing and
+/// cannot be created; [`Error::Sql`].
+pub async fn ensure_table(client: &Client) -> Result<(), Error> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('outbox.stream_state') IS NOT NULL", &[])
+        .await
+        .map_err(|e| Error::sql("looking up outbox.stream_state", e))?
+        .get(0);
+    if exists {
+        return Ok(());
+    }
+    match client.batch_execute(STREAM_STATE_SQL).await {
+        Ok(()) => {
+            tracing::info!("created outbox.stream_state (this database was set up by an older pgoutbox)");
+            Ok(())
+        }
+        Err(e) => Err(Error::Precondition(format!(
+            "table outbox.stream_state is missing (this database was set up by an older pgoutbox) and this role cannot create it ({}): run `pgoutbox setup` again (as the role that ran it before), then start `run`",
+            e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())
+        ))),
+    }
+}
+
+/// Reads the record of `slot` (`None`: no row, or no table).
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn load(client: &Client, slot: &str) -> Result<Option<Recorded>, Error> {
+    let row = client
+        .query_opt(
+            "SELECT system_identifier, timeline, flush_lsn::text,
+                    to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
+                    accepted_gaps::text
+             FROM outbox.stream_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        // 42P01: no table (a database set up by an older version).
+        Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => return Ok(None),
+        Err(e) => return Err(Error::sql("reading outbox.stream_state", e)),
+    };
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let flush: String = row.get(2);
+    let timeline: i32 = row.get(1);
+    let gaps: String = row.get(4);
+    Ok(Some(Recorded {
+        slot: slot.to_owned(),
+        system_identifier: row.get(0),
+        timeline: u32::try_from(timeline).unwrap_or_default(),
+        flush_lsn: flush.parse().unwrap_or_default(),
+        updated_at: row.get(3),
+        accepted_gaps: serde_json::from_str(&gaps).unwrap_or_default(),
+    }))
+}
+
+/// Writes the session start: identity, the flush LSN about to be reported first, and
+/// (with `--accept-gap`) the gap accepted. One committed statement.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn record_start(
+    client: &Client,
+    slot: &str,
+    identity: &SystemIdentity,
+    flush: Lsn,
+    gap: Option<&Gap>,
+) -> Result<(), Error> {
+    let gap_json = gap
+        .map(|g| {
+            serde_json::json!([{
+                "from_lsn": g.from.to_string(),
+                "to_lsn": g.to.to_string(),
+                "reason": g.reason.name(),
+            }])
+            .to_string()
+        })
+        .unwrap_or_else(|| "[]".into());
+    let timeline = i32::try_from(identity.timeline).unwrap_or(i32::MAX);
+    client
+        .execute(
+            "INSERT INTO outbox.stream_state AS s
+                 (slot_name, system_identifier, timeline, flush_lsn, updated_at, accepted_gaps)
+             VALUES ($1, $2, $3, $4::text::pg_lsn, now(),
+                     (SELECT coalesce(jsonb_agg(g || jsonb_build_object('accepted_at',
+                          to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'))), '[]'::jsonb)
+                      FROM jsonb_array_elements($5::text::jsonb) g))
+             ON CONFLICT (slot_name) DO UPDATE SET
+                 system_identifier = EXCLUDED.system_identifier,
+                 timeline = EXCLUDED.timeline,
+                 flush_lsn = EXCLUDED.flush_lsn,
+                 updated_at = EXCLUDED.updated_at,
+                 accepted_gaps = s.accepted_gaps || EXCLUDED.accepted_gaps",
+            &[
+                &slot,
+                &identity.system_id,
+                &timeline,
+                &flush.to_string(),
+                &gap_json,
+            ],
+        )
+        .await
+        .map_err(|e| {
+            if e.code().is_some_and(|c| c.code() == "42501") {
+                return Error::Precondition(format!(
+                    "this role may not write outbox.stream_state ({}); as the owner of schema outbox or a superuser, run: GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO <the role pgoutbox runs as> (sql/roles.example.sql grants the same)",
+                    e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_default()
+                ));
+            }
+            Error::sql("writing outbox.stream_state at session start", e)
+        })?;
+    Ok(())
+}
+
+/// Raises the recorded flush LSN (never lowers it). One committed statement.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn record_flush(client: &Client, slot: &str, flush: Lsn) -> Result<(), Error> {
+    client
+        .execute(
+            "UPDATE outbox.stream_state SET flush_lsn = $2::text::pg_lsn, updated_at = now()
+             WHERE slot_name = $1 AND flush_lsn < $2::text::pg_lsn",
+            &[&slot, &flush.to_string()],
+        )
+        .await
+        .map_err(|e| Error::sql("writing outbox.stream_state", e))?;
+    Ok(())
+}
+
+/// Deletes the record of `slot` (`teardown`); a missing table is fine.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn forget(client: &Client, slot: &str) -> Result<(), Error> {
+    match client
+        .execute(
+            "DELETE FROM outbox.stream_state WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => Ok(()),
+        Err(e) => Err(Error::sql(
+            "deleting the slot's row in outbox.stream_state",
+            e,
+        )),
+    }
+}
+
+/// The START_REPLICATION position for a session of a process that streamed before: the
+/// last session's settled LSN when [`resume_position`] keeps it, else `0/0` (the slot's
+/// own position), with a warning naming why.
+///
+/// # Errors
+/// [`Error::Sql`] when the record cannot be read.
+pub async fn start_hint(
+    client: &Client,
+    slot: &str,
+    resume: Option<Lsn>,
+    seen: Option<&SeenHistory>,
+    identity: &SystemIdentity,
+) -> Result<Lsn, Error> {
+    let Some(at) = resume else {
+        return Ok(Lsn::ZERO);
+    };
+    let record = load(client, slot).await?.map(|r| r.flush_lsn);
+    Ok(match resume_position(resume, seen, identity, record) {
+        Ok(kept) => kept.unwrap_or(Lsn::ZERO),
+        Err(why) => {
+            tracing::warn!(
+                resume_lsn = %at,
+                reason = ?why,
+                system_id = %identity.system_id,
+                timeline = identity.timeline,
+                xlogpos = %identity.xlogpos,
+                "the server's history is not the one this process streamed from (restored, failed over or replaced): not resuming from the last settled LSN; starting from the slot and checking it against outbox.stream_state"
+            );
+            Lsn::ZERO
+        }
+    })
+}
+
+/// The session start, once the slot is held: applies the gap rule to the slot's
+/// `confirmed_flush_lsn` (`slot_lsn`), records the session (`start` is the first flush
+/// LSN to be reported) and starts the [`recorder`] on `client`.
+///
+/// # Errors
+/// [`Error::SlotGap`] when the slot's history has a gap and `config.accept_gap` is off;
+/// [`Error::Sql`].
+pub async fn session_start(
+    client: Client,
+    config: &crate::config::RunConfig,
+    identity: &SystemIdentity,
+    slot_lsn: Lsn,
+    start: Lsn,
+) -> Result<(FlushGate, RecordedHandle), Error> {
+    let slot = config.slot.as_str();
+    // Like the dead letters: never wait for a synchronous standby that may be us.
+    client
+        .batch_execute("SET synchronous_commit = local")
+        .await
+        .map_err(|e| Error::sql("setting synchronous_commit for outbox.stream_state", e))?;
+    let record = load(&client, slot).await?;
+    let mut accepted = None;
+    match assess(slot, slot_lsn, identity, record.as_ref()) {
+        Verdict::Continuous => {}
+        Verdict::SlotBehind { slot: at, recorded } if start < recorded => {
+            tracing::warn!(
+                slot,
+                slot_confirmed_flush_lsn = %at,
+                recorded_flush_lsn = %recorded,
+                "the slot begins before the flush LSN pgoutbox last reported (a server crash, a restored slot or a failover): messages between them are sent again (duplicates, nothing lost)"
+            );
+        }
+        Verdict::SlotBehind { .. } => {}
+        Verdict::Gap(gap) if !config.accept_gap => return Err(Error::SlotGap(gap)),
+        Verdict::Gap(gap) => {
+            tracing::error!(
+                slot,
+                gap_from_lsn = %gap.from,
+                gap_to_lsn = %gap.to,
+                reason = gap.reason.name(),
+                "starting despite a gap in the slot's history (--accept-gap): {gap}; recorded in outbox.stream_state"
+            );
+            accepted = Some(gap);
+        }
+    }
+    record_start(&client, slot, identity, start, accepted.as_ref()).await?;
+    Ok(recorder(client, slot.to_owned(), start))
+}
+
+/// A gap `status` sees before `run` does, for its report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GapReport {
+    /// The recorded flush LSN, `X/Y`.
+    pub from_lsn: String,
+    /// Where the slot begins now, `X/Y`.
+    pub to_lsn: String,
+    /// `slot_recreated` or `system_changed`.
+    pub reason: String,
+    /// The whole explanation, as `run`'s refusal words it.
+    pub message: String,
+}
+
+/// For `status`: the record of `slot` and the gap `run` would refuse, from the slot's
+/// `confirmed_flush_lsn` and `pg_control_system()` (the system identifier check is skipped
+/// when that function may not be called).
+///
+/// # Errors
+/// [`Error::Sql`] when the record cannot be read.
+pub async fn inspect(
+    client: &Client,
+    slot: &str,
+    confirmed_flush_lsn: Option<&str>,
+) -> Result<(Option<Recorded>, Option<GapReport>), Error> {
+    let Some(record) = load(client, slot).await? else {
+        return Ok((None, None));
+    };
+    let system_id = client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .map(|r| r.get::<_, String>(0))
+        .unwrap_or_else(|_| record.system_identifier.clone());
+    let identity = SystemIdentity {
+        system_id,
+        timeline: record.timeline,
+        xlogpos: Lsn::ZERO,
+        dbname: None,
+    };
+    let gap = confirmed_flush_lsn
+        .and_then(|c| c.parse::<Lsn>().ok())
+        .and_then(|at| match assess(slot, at, &identity, Some(&record)) {
+            Verdict::Gap(g) => Some(GapReport {
+                from_lsn: g.from.to_string(),
+                to_lsn: g.to.to_string(),
+                reason: g.reason.name().to_owned(),
+                message: g.to_string(),
+            }),
+            _ => None,
+        });
+    Ok((Some(record), gap))
+}
+
+/// The pipeline's side of the record: what it would like to report, and what it may.
+///
+/// [`FlushGate::want`] is called once per loop turn with the watermark; [`FlushGate::allowed`]
+/// is read when a standby status update is built, which reports `min(watermark, allowed)`.
+#[derive(Debug)]
+pub struct FlushGate {
+    wanted: watch::Sender<Lsn>,
+    recorded: watch::Receiver<Lsn>,
+    last_wanted: Lsn,
+}
+
+impl FlushGate {
+    /// The flush LSN that may be reported now (committed to `outbox.stream_state`).
+    pub fn allowed(&self) -> Lsn {
+        *self.recorded.borrow()
+    }
+
+    /// Whether the recorder ended because its SQL connection closed (PostgreSQL shutting
+    /// down or restarting): nothing more can be recorded, so nothing more may be reported,
+    /// and the session should end (a fast shutdown waits for our flush position).
+    pub fn recorder_gone(&self) -> bool {
+        self.recorded.has_changed().is_err()
+    }
+
+    /// Asks the recorder to record `flush` (no-op unless it moved forward).
+    pub fn want(&mut self, flush: Lsn) {
+        if flush > self.last_wanted {
+            self.last_wanted = flush;
+            self.wanted.send_replace(flush);
+        }
+    }
+
+    /// Asks for `flush` and waits up to `timeout` for it to be recorded (the final update
+    /// of a shutdown). Returns what may be reported then.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn settle(&mut self, flush: Lsn, timeout: Duration) -> Lsn {
+        self.want(flush);
+        let _ = tokio::time::timeout(timeout, self.recorded.wait_for(|r| *r >= flush)).await;
+        self.allowed()
+    }
+}
+
+/// Starts the recorder task on `client` (whose session start already recorded `start`):
+/// it raises `flush_lsn` to what the gate wants, at most every [`RECORD_INTERVAL`], and
+/// ends when the gate is dropped. A failed write is logged and retried after
+/// [`RECORD_INTERVAL`] × 5; until it succeeds nothing beyond the record is reported (the
+/// session fails on its own if Postgres is gone).
+///
+/// Returns the gate and a handle to the highest position recorded so far.
+pub fn recorder(client: Client, slot: String, start: Lsn) -> (FlushGate, RecordedHandle) {
+    let (wanted_tx, mut wanted_rx) = watch::channel(start);
+    let (recorded_tx, recorded_rx) = watch::channel(start);
+    let handle = RecordedHandle(recorded_rx.clone());
+    tokio::spawn(async move {
+        let client = client;
+        loop {
+            if wanted_rx.changed().await.is_err() {
+                return;
+            }
+            let target = *wanted_rx.borrow_and_update();
+            if target <= *recorded_tx.borrow() {
+                continue;
+            }
+            match record_flush(&client, &slot, target).await {
+                Ok(()) => {
+                    recorded_tx.send_replace(target);
+                    tokio::time::sleep(RECORD_INTERVAL).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %crate::error::one_line(&e), flush_lsn = %target, "could not record the flush LSN in outbox.stream_state; not reporting it yet");
+                    if client.is_closed() {
+                        return;
+                    }
+                    tokio::time::sleep(RECORD_INTERVAL * 5).await;
+                    // Try again with whatever is wanted then.
+                    wanted_rx.mark_changed();
+                }
+            }
+        }
+    });
+    (
+        FlushGate {
+            wanted: wanted_tx,
+            recorded: recorded_rx,
+            last_wanted: start,
+        },
+        handle,
+    )
+}
+
+/// The highest flush LSN the recorder committed (kept by the driver across sessions).
+#[derive(Debug, Clone)]
+pub struct RecordedHandle(watch::Receiver<Lsn>);
+
+impl RecordedHandle {
+    /// What is recorded now.
+    pub fn get(&self) -> Lsn {
+        *self.0.borrow()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(system: &str, timeline: u32, xlogpos: u64) -> SystemIdentity {
+        SystemIdentity {
+            system_id: system.into(),
+            timeline,
+            xlogpos: Lsn(xlogpos),
+            dbname: None,
+        }
+    }
+
+    fn record(system: &str, flush: u64) -> Recorded {
+        Recorded {
+            slot: "s".into(),
+            system_identifier: system.into(),
+            timeline: 1,
+            flush_lsn: Lsn(flush),
+            updated_at: String::new(),
+            accepted_gaps: vec![],
+        }
+    }
+
+    #[test]
+    fn a_slot_ahead_of_the_record_is_a_gap_naming_both_lsns() {
+        let v = assess(
+            "s",
+            Lsn(0x200),
+            &identity("7", 1, 0x300),
+            Some(&record("7", 0x100)),
+        );
+        let Verdict::Gap(gap) = v else {
+            panic!("{v:?}")
+        };
+        assert_eq!((gap.from, gap.to), (Lsn(0x100), Lsn(0x200)));
+        let text = gap.to_string();
+        assert!(text.contains("between 0/100 and 0/200"), "{text}");
+        assert_eq!(
+            assess(
+                "s",
+                Lsn(0x100),
+                &identity("7", 2, 0x300),
+                Some(&record("7", 0x100))
+            ),
+            Verdict::Continuous
+        );
+        assert_eq!(
+            assess(
+                "s",
+                Lsn(0x80),
+                &identity("7", 1, 0x300),
+                Some(&record("7", 0x100))
+            ),
+            Verdict::SlotBehind {
+                slot: Lsn(0x80),
+                recorded: Lsn(0x100)
+            }
+        );
+        assert_eq!(
+            assess("s", Lsn(0x80), &identity("7", 1, 0x300), None),
+            Verdict::Continuous
+        );
+        let v = assess(
+            "s",
+            Lsn(0x80),
+            &identity("8", 1, 0x300),
+            Some(&record("7", 0x100)),
+        );
+        assert!(
+            matches!(&v, Verdict::Gap(g) if matches!(g.reason, GapReason::SystemChanged { .. })),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn the_resume_position_survives_only_the_same_history() {
+        let seen = SeenHistory {
+            system_id: "7".into(),
+            timeline: 1,
+            recorded: Lsn(0x500),
+        };
+        let same = identity("7", 1, 0x900);
+        assert_eq!(
+            resume_position(Some(Lsn(0x500)), Some(&seen), &same, Some(Lsn(0x500))),
+            Ok(Some(Lsn(0x500)))
+        );
+        assert_eq!(resume_position(None, Some(&seen), &same, None), Ok(None));
+        assert_eq!(
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("8", 1, 0x900),
+                None
+            ),
+            Err(ResumeDropped::SystemChanged)
+        );
+        assert_eq!(
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("7", 2, 0x900),
+                None
+            ),
+            Err(ResumeDropped::TimelineChanged { was: 1, now: 2 })
+        );
+        // A restored data directory: its WAL ends before where we were.
+        assert_eq!(
+            resume_position(
+                Some(Lsn(0x500)),
+                Some(&seen),
+                &identity("7", 1, 0x300),
+                None
+            ),
+            Err(ResumeDropped::WalBehind {
+                xlogpos: Lsn(0x300)
+            })
+        );
+        // ... and once its WAL grew past that again, its older record still tells.
+        assert_eq!(
+            resume_position(Some(Lsn(0x500)), Some(&seen), &same, Some(Lsn(0x200))),
+            Err(ResumeDropped::RecordBehind {
+                record: Lsn(0x200),
+                recorded: Lsn(0x500)
+            })
+        );
+    }
+}
