@@ -33,6 +33,7 @@ pub mod pgoutput;
 pub mod pipeline;
 pub mod publisher;
 pub mod replication;
+pub mod secrets;
 pub mod watermark;
 
 pub use error::Error;

@@ -16,5 +16,7 @@ mod observability;
 mod operations;
 mod proxy_smoke;
 mod publisher_wire;
+mod roles;
+mod secrets;
 mod status;
 mod tls;
