@@ -330,7 +330,7 @@ fn merge(
     let origin = match args.config.clone() {
         None => None,
         Some(path) => {
-            let file = load(&path)?;
+            let mut file = load(&path)?;
             let mut keys = Vec::new();
             macro_rules! take {
                 ($($key:ident => $target:expr, $wrap:expr;)*) => {$(
@@ -347,7 +347,6 @@ fn merge(
             // from the file another way (that would be "given twice").
             let db_given = given("database_url") || given("database_url_file");
             let amqp_given = given("amqp_url") || given("amqp_url_file");
-            let mut file = file;
             if db_given {
                 file.database_url = None;
                 file.database_url_file = None;

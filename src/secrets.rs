@@ -211,17 +211,27 @@ fn with_url_password(target: Target, conn: &str, password: &str) -> Result<Strin
             target.url_flag()
         )));
     }
-    if u.username().is_empty() {
+    if u.username().is_empty() && target == Target::Amqp {
         return Err(bad(format!(
-            "{} names no user for the password; write scheme://USER@host/...",
+            "{} names no user for the password; write amqp://USER@host/...",
             target.url_flag()
         )));
     }
-    if u.set_password(Some(password)).is_err() {
+    // Without a user in the userinfo (it may be a `user=` parameter) or without a host,
+    // userinfo cannot carry the password.
+    if u.username().is_empty() || u.set_password(Some(password)).is_err() {
         // No host to carry userinfo (a Unix socket given as ?host=): libpq also reads the
         // password as a parameter.
         if target == Target::Postgres {
-            u.query_pairs_mut().append_pair("password", password);
+            // Percent-encoded, a space as %20: libpq and tokio-postgres do not read `+`.
+            let encoded = url::form_urlencoded::byte_serialize(password.as_bytes())
+                .collect::<String>()
+                .replace('+', "%20");
+            let query = match u.query() {
+                Some(q) if !q.is_empty() => format!("{q}&password={encoded}"),
+                _ => format!("password={encoded}"),
+            };
+            u.set_query(Some(&query));
         } else {
             return Err(bad(format!(
                 "{} has no host, so it cannot carry a password",
@@ -352,13 +362,13 @@ mod tests {
     fn url_and_file_are_exclusive_and_one_is_needed() {
         let file = temp_file("u", "amqp://g:g@h/%2f\n");
         let both = Sources {
-            url: Some(Secret("amqp://g:secret@h".into())),
+            url: Some(Secret("amqp://g:hunter2@h".into())),
             url_file: Some(file.clone()),
             password_file: None,
         };
         let e = resolve(Target::Amqp, &both).unwrap_err().to_string();
         assert!(e.contains("--amqp-url-file") && e.contains("--amqp-url is given too"), "{e}");
-        assert!(!e.contains("secret"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
         let e = resolve(Target::Postgres, &Sources::default())
             .unwrap_err()
             .to_string();
@@ -448,6 +458,53 @@ mod tests {
             .unwrap();
         assert_eq!(id.certfile, PathBuf::from("/c.pem"));
         assert_eq!(id.keyfile, PathBuf::from("/k.pem"));
+    }
+
+    #[test]
+    fn debug_of_the_config_types_redacts() {
+        use clap::Parser;
+        let db = "postgres://u:hunter2pg@h/db";
+        let amqp = "amqps://g:hunter2mq@h/%2f?cacertfile=/ca.pem";
+        let cli = crate::cli::Cli::try_parse_from([
+            "pgoutbox",
+            "run",
+            "--database-url",
+            db,
+            "--amqp-url",
+            amqp,
+        ])
+        .unwrap();
+        let run = match &cli.command {
+            crate::cli::Command::Run(args) => args.clone(),
+            _ => unreachable!(),
+        };
+        let config = run.clone().into_config().unwrap();
+        let publisher = crate::publisher::PublisherConfig {
+            amqp_url: config.amqp_url.clone(),
+            exchange: "x".into(),
+            connection_name: "pgoutbox test".into(),
+            signals: Default::default(),
+        };
+        let endpoint = crate::publisher::socket::Endpoint::parse(amqp).unwrap();
+        let file: crate::config_file::FileSettings = toml::from_str(&format!(
+            "database_url = {db:?}\namqp_url = {amqp:?}\n"
+        ))
+        .unwrap();
+        let pg = crate::config::parse_database_url(db).unwrap();
+        for (what, text) in [
+            ("Cli", format!("{cli:?}")),
+            ("RunArgs", format!("{run:?}")),
+            ("RunConfig", format!("{config:?}")),
+            ("PublisherConfig", format!("{publisher:?}")),
+            ("Endpoint", format!("{endpoint:?}")),
+            ("FileSettings", format!("{file:?}")),
+            ("tokio_postgres::Config", format!("{pg:?}")),
+            ("Secret", format!("{:?}", Secret(db.into()))),
+        ] {
+            assert!(!text.contains("hunter2"), "{what}: {text}");
+            // Still useful: the user and host are shown.
+            assert!(text.contains('u') && text.contains('h'), "{what}: {text}");
+        }
     }
 
     #[test]
