@@ -227,9 +227,7 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
 /// returned as written (not normalised), so an error shows the value the operator typed.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
-        Ok(mut u)
-            if u.password().is_some() || u.query_pairs().any(|(k, _)| k == "password") =>
-        {
+        Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| k == "password") => {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
             }
@@ -238,7 +236,11 @@ pub fn redact_url(url: &str) -> String {
                 let pairs: Vec<(String, String)> = u
                     .query_pairs()
                     .map(|(k, v)| {
-                        let v = if k == "password" { "***".into() } else { v.into_owned() };
+                        let v = if k == "password" {
+                            "***".into()
+                        } else {
+                            v.into_owned()
+                        };
                         (k.into_owned(), v)
                     })
                     .collect();

@@ -84,12 +84,18 @@ const KEYS: &[(&str, &str)] = &[
         "database_url",
         "a string, postgres://user:password@host:port/db",
     ),
-    ("database_url_file", "a string, the path of a file holding database_url"),
+    (
+        "database_url_file",
+        "a string, the path of a file holding database_url",
+    ),
     (
         "database_password_file",
         "a string, the path of a file holding the database password",
     ),
-    ("amqp_url_file", "a string, the path of a file holding amqp_url"),
+    (
+        "amqp_url_file",
+        "a string, the path of a file holding amqp_url",
+    ),
     (
         "amqp_password_file",
         "a string, the path of a file holding the RabbitMQ password",
@@ -275,9 +281,7 @@ impl FileOrigin {
 pub fn parse_cli() -> Result<(Cli, Option<FileOrigin>), CliError> {
     // The URLs are required, but may come from a file or the config file: clap does not
     // insist on them (they are optional there), `merge` and `secrets::resolve` do.
-    let matches = Cli::command()
-        .try_get_matches()
-        .map_err(CliError::Usage)?;
+    let matches = Cli::command().try_get_matches().map_err(CliError::Usage)?;
     let mut cli = Cli::from_arg_matches(&matches).map_err(CliError::Usage)?;
     let origin = match &mut cli.command {
         Command::Run(args) => {

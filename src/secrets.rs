@@ -193,7 +193,11 @@ pub fn with_postgres_password(conn: &str, password: &str) -> Result<String, Vali
     Ok(format!("{conn} password='{quoted}'"))
 }
 
-fn with_url_password(target: Target, conn: &str, password: &str) -> Result<String, ValidationError> {
+fn with_url_password(
+    target: Target,
+    conn: &str,
+    password: &str,
+) -> Result<String, ValidationError> {
     let bad = |rule: String| ValidationError {
         setting: target.password_flag(),
         value: redact_url(conn),
@@ -261,7 +265,10 @@ pub struct AmqpTlsFiles {
 /// # Errors
 /// [`ValidationError`] naming the flag: the URL is not `amqps://`, or has the parameter
 /// with another value (both are named).
-pub fn with_amqp_tls_files(amqp_url: &str, files: &AmqpTlsFiles) -> Result<String, ValidationError> {
+pub fn with_amqp_tls_files(
+    amqp_url: &str,
+    files: &AmqpTlsFiles,
+) -> Result<String, ValidationError> {
     let flags = [
         ("--amqp-ca-file", "cacertfile", &files.ca_file),
         ("--amqp-cert-file", "certfile", &files.cert_file),
@@ -355,7 +362,10 @@ mod tests {
             "{text}"
         );
         let p = temp_file("c", "\n");
-        assert!(read_secret_file("--x", &p).unwrap_err().to_string().contains("empty"));
+        assert!(read_secret_file("--x", &p)
+            .unwrap_err()
+            .to_string()
+            .contains("empty"));
     }
 
     #[test]
@@ -367,17 +377,26 @@ mod tests {
             password_file: None,
         };
         let e = resolve(Target::Amqp, &both).unwrap_err().to_string();
-        assert!(e.contains("--amqp-url-file") && e.contains("--amqp-url is given too"), "{e}");
+        assert!(
+            e.contains("--amqp-url-file") && e.contains("--amqp-url is given too"),
+            "{e}"
+        );
         assert!(!e.contains("hunter2"), "{e}");
         let e = resolve(Target::Postgres, &Sources::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("missing") && e.contains("PGOUTBOX_DATABASE_URL_FILE"), "{e}");
+        assert!(
+            e.contains("missing") && e.contains("PGOUTBOX_DATABASE_URL_FILE"),
+            "{e}"
+        );
         let from_file = Sources {
             url_file: Some(file),
             ..Sources::default()
         };
-        assert_eq!(resolve(Target::Amqp, &from_file).unwrap(), "amqp://g:g@h/%2f");
+        assert_eq!(
+            resolve(Target::Amqp, &from_file).unwrap(),
+            "amqp://g:g@h/%2f"
+        );
     }
 
     #[test]
@@ -391,7 +410,11 @@ mod tests {
         let url = with_postgres_password("postgres:///db?host=/tmp&user=u", PW).unwrap();
         let parsed: tokio_postgres::Config = url.parse().unwrap();
         assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
-        assert!(!redact_url(&url).contains("Tr0ub4dor"), "{}", redact_url(&url));
+        assert!(
+            !redact_url(&url).contains("Tr0ub4dor"),
+            "{}",
+            redact_url(&url)
+        );
         let kv = with_postgres_password("host=h user=u dbname=db", PW).unwrap();
         let parsed: tokio_postgres::Config = kv.parse().unwrap();
         assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
@@ -486,10 +509,8 @@ mod tests {
             signals: Default::default(),
         };
         let endpoint = crate::publisher::socket::Endpoint::parse(amqp).unwrap();
-        let file: crate::config_file::FileSettings = toml::from_str(&format!(
-            "database_url = {db:?}\namqp_url = {amqp:?}\n"
-        ))
-        .unwrap();
+        let file: crate::config_file::FileSettings =
+            toml::from_str(&format!("database_url = {db:?}\namqp_url = {amqp:?}\n")).unwrap();
         let pg = crate::config::parse_database_url(db).unwrap();
         for (what, text) in [
             ("Cli", format!("{cli:?}")),

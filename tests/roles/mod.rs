@@ -22,8 +22,8 @@ async fn the_streamer_is_no_superuser_and_the_producer_can_only_emit() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "roles").await;
     // rolsuper, rolreplication, rolcanlogin, rolcreaterole, rolcreatedb, rolbypassrls
-    assert_eq!(attributes(&ob, STREAMER_ROLE), "false,true,true,false,false,false");
-    assert_eq!(attributes(&ob, PRODUCER_ROLE), "false,false,false,false,false,false");
+    assert_eq!(attributes(&ob, STREAMER_ROLE), "f,t,t,f,f,f");
+    assert_eq!(attributes(&ob, PRODUCER_ROLE), "f,f,f,f,f,f");
     // Member of nothing: its privileges are its own grants.
     assert_eq!(
         ob.sql(&format!(
@@ -88,13 +88,20 @@ async fn the_streamer_is_no_superuser_and_the_producer_can_only_emit() {
     // Idempotent: again, the roles exist and keep their attributes.
     let out = ob.cli(&["setup", "--create-roles", "--publication", &ob.publication]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(
-        stdout.contains(&format!("role {STREAMER_ROLE} (streamer role, LOGIN REPLICATION): existed"))
-            && stdout.contains(&format!("role {PRODUCER_ROLE} (producer role, NOLOGIN): existed")),
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!(
+            "role {STREAMER_ROLE} (streamer role, LOGIN REPLICATION): existed"
+        )) && stdout.contains(&format!(
+            "role {PRODUCER_ROLE} (producer role, NOLOGIN): existed"
+        )),
         "{stdout}"
     );
-    assert_eq!(attributes(&ob, STREAMER_ROLE), "false,true,true,false,false,false");
+    assert_eq!(attributes(&ob, STREAMER_ROLE), "f,t,t,f,f,f");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,9 +121,18 @@ async fn create_roles_takes_names() {
         &producer,
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains(&format!("role {streamer} (streamer role, LOGIN REPLICATION): created")), "{stdout}");
-    assert_eq!(attributes(&ob, &streamer), "false,true,true,false,false,false");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!(
+            "role {streamer} (streamer role, LOGIN REPLICATION): created"
+        )),
+        "{stdout}"
+    );
+    assert_eq!(attributes(&ob, &streamer), "f,t,t,f,f,f");
     assert_eq!(
         ob.sql(&format!(
             "SELECT has_table_privilege('{streamer}', 'outbox.dead_letter', 'INSERT'), has_table_privilege('{producer}', 'outbox.dead_letter', 'SELECT'), has_function_privilege('{producer}', 'outbox.emit(text, jsonb, jsonb, text)', 'EXECUTE')"

@@ -50,11 +50,19 @@ fn text(out: &Output) -> String {
 fn http_get(port: u16, path: &str) -> Option<String> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).ok()?;
     let text = String::from_utf8_lossy(&raw).into_owned();
-    (text.split(' ').nth(1)? == "200").then(|| text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+    (text.split(' ').nth(1)? == "200").then(|| {
+        text.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default()
+    })
 }
 
 fn url_with(base: &str, user: &str, password: &str) -> String {
@@ -100,10 +108,11 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     pg.psql(
         "postgres",
         &format!(
-            "ALTER ROLE pw_scram PASSWORD '{}'; CREATE DATABASE {db} OWNER pw_scram;",
+            "ALTER ROLE pw_scram PASSWORD '{}'",
             PG_PASSWORD.replace('\'', "''")
         ),
     );
+    pg.psql("postgres", &format!("CREATE DATABASE {db} OWNER pw_scram"));
     let amqp_user = unique("secrets_user");
     rabbit.ctl_ok(&["add_user", &amqp_user, AMQP_PASSWORD]);
     rabbit.ctl_ok(&["set_permissions", "-p", "/", &amqp_user, ".*", ".*", ".*"]);
@@ -169,7 +178,11 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
 
     // status with the password alone from a file.
     let out = pgoutbox(
-        &[&["status", "--json", "--database-url", &pg_url_nopw][..], &names].concat(),
+        &[
+            &["status", "--json", "--database-url", &pg_url_nopw][..],
+            &names,
+        ]
+        .concat(),
         &[("PGOUTBOX_DATABASE_PASSWORD_FILE", &p(&pg_pw_file))],
     );
     assert!(
@@ -182,7 +195,11 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     // Failing cases: a wrong password, a wrong port, a wrong broker password, an
     // unreadable file, the URL given twice.
     let out = pgoutbox(
-        &[&["status", "--json", "--database-url", &pg_url_wrong][..], &names].concat(),
+        &[
+            &["status", "--json", "--database-url", &pg_url_wrong][..],
+            &names,
+        ]
+        .concat(),
         &[],
     );
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -201,12 +218,13 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     );
     assert!(!out.status.success(), "{}", text(&out));
     seen.add("setup (wrong port)", text(&out));
-    let amqp_url_dead = amqp_url.replace(
-        &format!(":{}/", rabbit.port()),
-        &format!(":{dead_port}/"),
-    );
+    let amqp_url_dead =
+        amqp_url.replace(&format!(":{}/", rabbit.port()), &format!(":{dead_port}/"));
     assert_ne!(amqp_url_dead, amqp_url);
-    for (what, broker) in [("wrong password", &amqp_url_wrong), ("wrong port", &amqp_url_dead)] {
+    for (what, broker) in [
+        ("wrong password", &amqp_url_wrong),
+        ("wrong port", &amqp_url_dead),
+    ] {
         let out = pgoutbox(
             &[
                 &[
@@ -228,7 +246,11 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
         seen.add(format!("check (broker {what})"), text(&out));
     }
     let out = pgoutbox(
-        &[&["setup", "--database-url-file", "/nonexistent/pg_url"][..], &names].concat(),
+        &[
+            &["setup", "--database-url-file", "/nonexistent/pg_url"][..],
+            &names,
+        ]
+        .concat(),
         &[],
     );
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -240,7 +262,17 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
         text(&out)
     );
     let out = pgoutbox(
-        &[&["status", "--database-url", &pg_url, "--database-url-file", &p(&pg_url_file)][..], &names].concat(),
+        &[
+            &[
+                "status",
+                "--database-url",
+                &pg_url,
+                "--database-url-file",
+                &p(&pg_url_file),
+            ][..],
+            &names,
+        ]
+        .concat(),
         &[],
     );
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -282,14 +314,22 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     let got = drain_queue(&rabbit.url(), &queue, 1, scaled(Duration::from_secs(30))).await;
     assert_eq!(got.len(), 1, "{}", streamer.log());
     assert!(
-        streamer.log().contains("a password was given on the command line (--database-url, --amqp-url)"),
+        streamer
+            .log()
+            .contains("a password was given on the command line (--database-url, --amqp-url)"),
         "{}",
         streamer.log()
     );
     let metrics = http_get(http_port, "/metrics").expect("scrape /metrics");
     assert!(metrics.contains("pgoutbox_"), "{metrics}");
     seen.add("/metrics", metrics);
-    let connections = rabbit.ctl_ok(&["-q", "list_connections", "name", "user", "client_properties"]);
+    let connections = rabbit.ctl_ok(&[
+        "-q",
+        "list_connections",
+        "name",
+        "user",
+        "client_properties",
+    ]);
     let ours = connections
         .lines()
         .find(|l| l.contains(&amqp_user))
@@ -334,7 +374,12 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     // run against a broker that refuses the password, and a database that refuses its:
     // both retry, and say why without the password.
     for (what, db_url, broker, expect) in [
-        ("broker password", pg_url.as_str(), amqp_url_wrong.as_str(), "403"),
+        (
+            "broker password",
+            pg_url.as_str(),
+            amqp_url_wrong.as_str(),
+            "403",
+        ),
         (
             "database password",
             pg_url_wrong.as_str(),
@@ -348,7 +393,11 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
             .await;
         streamer.sigterm();
         let _ = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
-        assert!(failed, "run ({what}) never said {expect:?}:\n{}", streamer.log());
+        assert!(
+            failed,
+            "run ({what}) never said {expect:?}:\n{}",
+            streamer.log()
+        );
         seen.add(format!("run ({what}) log"), streamer.log());
     }
     seen.add(

@@ -292,8 +292,14 @@ async fn the_tls_files_can_be_flags_and_a_conflict_with_the_url_names_both() {
             "tls-flags",
         ],
         &[
-            ("PGOUTBOX_AMQP_CERT_FILE", &tls.client_cert.display().to_string()),
-            ("PGOUTBOX_AMQP_KEY_FILE", &tls.client_key.display().to_string()),
+            (
+                "PGOUTBOX_AMQP_CERT_FILE",
+                &tls.client_cert.display().to_string(),
+            ),
+            (
+                "PGOUTBOX_AMQP_KEY_FILE",
+                &tls.client_key.display().to_string(),
+            ),
         ],
     );
     let got = ob.drain(50, scaled(Duration::from_secs(60))).await;
