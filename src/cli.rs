@@ -1,8 +1,11 @@
 //! Command-line interface (clap). Every option also reads a `PGOUTBOX_*` environment variable.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::secrets::{Secret, Sources, Target};
 
 use crate::config::{
     PublishProperties, RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP,
@@ -82,9 +85,53 @@ pub enum DeadLetterCommand {
 /// The database for dead-letter commands.
 #[derive(Debug, Args)]
 pub struct DeadLetterDb {
-    /// PostgreSQL connection URL.
+    /// The connection string and where it comes from.
+    #[command(flatten)]
+    pub url: PgUrlArgs,
+}
+
+/// The PostgreSQL connection string: given, or read from a file, with the password perhaps
+/// from a file of its own (see [`crate::secrets`]).
+#[derive(Debug, Clone, Args)]
+pub struct PgUrlArgs {
+    /// PostgreSQL connection URL (postgres://user:password@host:port/db) or keyword/value
+    /// string; a host that is a directory means a Unix socket. A password here is visible
+    /// in the process list: prefer the variable or a file.
     #[arg(long, env = "PGOUTBOX_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: Option<Secret>,
+    /// A file holding the connection string (a container secret); a trailing newline is
+    /// dropped. Instead of --database-url.
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL_FILE")]
+    pub database_url_file: Option<PathBuf>,
+    /// A file holding the password alone, put into the connection string (which must then
+    /// have none).
+    #[arg(long, env = "PGOUTBOX_DATABASE_PASSWORD_FILE")]
+    pub database_password_file: Option<PathBuf>,
+}
+
+impl PgUrlArgs {
+    /// The connection string, put together from its sources.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] from [`crate::secrets::resolve`].
+    pub fn resolve(&self) -> Result<String, crate::config::ValidationError> {
+        crate::secrets::resolve(
+            Target::Postgres,
+            &Sources {
+                url: self.database_url.clone(),
+                url_file: self.database_url_file.clone(),
+                password_file: self.database_password_file.clone(),
+            },
+        )
+    }
+
+    /// The connection string, parsed (as [`crate::config::parse_database_url`]).
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`].
+    pub fn config(&self) -> Result<tokio_postgres::Config, crate::config::ValidationError> {
+        crate::config::parse_database_url(&self.resolve()?)
+    }
 }
 
 /// `dead-letters list` arguments.
@@ -218,10 +265,9 @@ pub enum AmqpUrlOrderArg {
 /// Connection to Postgres and the slot's name.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// PostgreSQL connection URL (postgres://user:password@host:port/db); a host that is
-    /// a directory means a Unix socket.
-    #[arg(long, env = "PGOUTBOX_DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    /// The connection string and where it comes from.
+    #[command(flatten)]
+    pub url: PgUrlArgs,
     /// Logical replication slot name.
     #[arg(long, env = "PGOUTBOX_SLOT", default_value = DEFAULT_SLOT)]
     pub slot: String,
@@ -251,6 +297,18 @@ pub struct SetupArgs {
     /// with the alternative, on older servers.
     #[arg(long, env = "PGOUTBOX_FAILOVER")]
     pub failover: bool,
+    /// Also create the least-privilege roles of sql/roles.sql (idempotent; needs a
+    /// superuser): the streamer role (LOGIN REPLICATION, and the grants `run` needs in this
+    /// database) and the producer role (NOLOGIN: EXECUTE on outbox.emit and
+    /// outbox.emit_bytes). No password is set: use ALTER ROLE ... PASSWORD, or certificates.
+    #[arg(long)]
+    pub create_roles: bool,
+    /// Name of the streamer role for --create-roles.
+    #[arg(long, env = "PGOUTBOX_STREAMER_ROLE", default_value = crate::admin::DEFAULT_STREAMER_ROLE)]
+    pub streamer_role: String,
+    /// Name of the producer role for --create-roles.
+    #[arg(long, env = "PGOUTBOX_PRODUCER_ROLE", default_value = crate::admin::DEFAULT_PRODUCER_ROLE)]
+    pub producer_role: String,
 }
 
 /// `run` arguments.
@@ -268,12 +326,33 @@ pub struct RunArgs {
     /// certfile= and keyfile=; server_name_indication= to verify another name). For a
     /// cluster, repeat it (or separate URLs with commas) once per node: `run` connects to
     /// the first node that answers and fails over to the next when the connection is lost.
-    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true, action = clap::ArgAction::Append, required = true)]
-    pub amqp_url: Vec<String>,
+    /// A password here is visible in the process list: prefer the variable or a file.
+    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true, action = clap::ArgAction::Append)]
+    pub amqp_url: Vec<Secret>,
     /// The order the --amqp-url nodes are tried in: `in-order` (as given) or `shuffle`
     /// (shuffled once at start, so several streamers spread over the nodes).
     #[arg(long, env = "PGOUTBOX_AMQP_URL_ORDER", value_enum, default_value_t = AmqpUrlOrderArg::InOrder)]
     pub amqp_url_order: AmqpUrlOrderArg,
+    /// A file holding the RabbitMQ URL (a container secret; several nodes' URLs separated
+    /// by commas); a trailing newline is dropped. Instead of --amqp-url.
+    #[arg(long, env = "PGOUTBOX_AMQP_URL_FILE")]
+    pub amqp_url_file: Option<PathBuf>,
+    /// A file holding the RabbitMQ password alone, put into every --amqp-url (which must
+    /// then have a user and no password).
+    #[arg(long, env = "PGOUTBOX_AMQP_PASSWORD_FILE")]
+    pub amqp_password_file: Option<PathBuf>,
+    /// PEM file of the CA certificates that may sign the broker's certificate (amqps://;
+    /// default: the system's trust store). The same as cacertfile= in the URL.
+    #[arg(long, env = "PGOUTBOX_AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<PathBuf>,
+    /// PEM file of a client certificate chain for amqps:// (with --amqp-key-file). The same
+    /// as certfile= in the URL.
+    #[arg(long, env = "PGOUTBOX_AMQP_CERT_FILE")]
+    pub amqp_cert_file: Option<PathBuf>,
+    /// PEM file of the client certificate's private key (with --amqp-cert-file). The same
+    /// as keyfile= in the URL.
+    #[arg(long, env = "PGOUTBOX_AMQP_KEY_FILE")]
+    pub amqp_key_file: Option<PathBuf>,
     /// Publication name.
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,
@@ -355,6 +434,11 @@ pub struct RunArgs {
     /// recorded in outbox.stream_state. A one-off decision: no variable, no file key.
     #[arg(long)]
     pub accept_gap: bool,
+    /// The flags whose value came on the command line (argv, visible in the process list)
+    /// and carries a password; filled by [`crate::config_file::parse_cli`], warned about by
+    /// `run`.
+    #[arg(skip)]
+    pub passwords_on_argv: Vec<&'static str>,
 }
 
 /// A parsed `--http-addr` (`None`: off).
@@ -368,17 +452,58 @@ fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
 }
 
 impl RunArgs {
-    /// Builds the typed run settings (validated later by `RunConfig::validate`).
-    pub fn into_config(self) -> RunConfig {
+    /// Builds the typed run settings (validated later by `RunConfig::validate`): the
+    /// connection strings are put together from their sources (files read here) and the
+    /// AMQP TLS flags become the URL's parameters.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming the flag: a connection string missing or
+    /// given twice, an unreadable file, a TLS flag that conflicts with the URL.
+    pub fn into_config(self) -> Result<RunConfig, crate::config::ValidationError> {
+        let database_url = self.db.url.resolve()?;
+        // One URL, a comma-separated list, or the flag repeated (one per node), or a file
+        // holding any of these; the password file and the TLS files apply to every node.
+        let raw: Vec<String> = if self.amqp_url.is_empty() || self.amqp_url_file.is_some() {
+            // Reads the file, or names the missing or twice-given setting.
+            vec![crate::secrets::resolve(
+                Target::Amqp,
+                &Sources {
+                    url: self.amqp_url.first().cloned(),
+                    url_file: self.amqp_url_file.clone(),
+                    password_file: None,
+                },
+            )?]
+        } else {
+            self.amqp_url.iter().map(|u| u.0.clone()).collect()
+        };
+        let tls_files = crate::secrets::AmqpTlsFiles {
+            ca_file: self.amqp_ca_file.clone(),
+            cert_file: self.amqp_cert_file.clone(),
+            key_file: self.amqp_key_file.clone(),
+        };
+        let amqp_urls = crate::config::split_amqp_urls(&raw)
+            .into_iter()
+            .map(|url| {
+                let url = crate::secrets::resolve(
+                    Target::Amqp,
+                    &Sources {
+                        url: Some(Secret(url)),
+                        url_file: None,
+                        password_file: self.amqp_password_file.clone(),
+                    },
+                )?;
+                crate::secrets::with_amqp_tls_files(&url, &tls_files)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let instance_id = self.instance_id.unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_owned())
                 .unwrap_or_else(|_| "host".into());
             format!("{host}-{}", std::process::id())
         });
-        RunConfig {
-            database_url: self.db.database_url,
-            amqp_urls: crate::config::split_amqp_urls(&self.amqp_url),
+        Ok(RunConfig {
+            database_url,
+            amqp_urls,
             amqp_url_order: match self.amqp_url_order {
                 AmqpUrlOrderArg::InOrder => crate::config::AmqpUrlOrder::InOrder,
                 AmqpUrlOrderArg::Shuffle => crate::config::AmqpUrlOrder::Shuffle,
@@ -410,7 +535,7 @@ impl RunArgs {
             http_addr: self.http_addr.0,
             stall_after: Duration::from_secs(self.stall_after_s),
             accept_gap: self.accept_gap,
-        }
+        })
     }
 }
 
@@ -493,7 +618,7 @@ mod tests {
             ];
             args.extend(extra);
             match Cli::try_parse_from(args).unwrap().command {
-                Command::Run(args) => args.into_config(),
+                Command::Run(args) => args.into_config().unwrap(),
                 _ => unreachable!(),
             }
         };

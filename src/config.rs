@@ -175,6 +175,7 @@ pub const MESSAGE_PREFIX: &str = "pgoutbox";
 /// configure pgoutbox: they read no environment variable.
 pub const FLAGS_WITHOUT_ENV: &[&str] = &[
     "--all",
+    "--create-roles",
     "--force",
     "--id",
     "--json",
@@ -237,8 +238,25 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
 /// returned as written (not normalised), so an error shows the value the operator typed.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
+        Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| k == "password") => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            // libpq also reads `?password=`.
+            if u.query_pairs().any(|(k, _)| k == "password") {
+                let pairs: Vec<(String, String)> = u
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let v = if k == "password" {
+                            "***".into()
+                        } else {
+                            v.into_owned()
+                        };
+                        (k.into_owned(), v)
+                    })
+                    .collect();
+                u.query_pairs_mut().clear().extend_pairs(pairs);
+            }
             u.to_string()
         }
         Ok(_) => url.to_owned(),

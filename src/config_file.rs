@@ -17,13 +17,28 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use serde::Deserialize;
 
 use crate::cli::{AmqpUrlOrderArg, Cli, Command, OnUnroutable, PublishPropertiesArg, RunArgs};
+use crate::secrets::Secret;
 
 /// The keys a config file may hold, each an optional value of its flag's type.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileSettings {
     /// `--database-url`.
-    pub database_url: Option<String>,
+    pub database_url: Option<Secret>,
+    /// `--database-url-file`.
+    pub database_url_file: Option<PathBuf>,
+    /// `--database-password-file`.
+    pub database_password_file: Option<PathBuf>,
+    /// `--amqp-url-file`.
+    pub amqp_url_file: Option<PathBuf>,
+    /// `--amqp-password-file`.
+    pub amqp_password_file: Option<PathBuf>,
+    /// `--amqp-ca-file`.
+    pub amqp_ca_file: Option<PathBuf>,
+    /// `--amqp-cert-file`.
+    pub amqp_cert_file: Option<PathBuf>,
+    /// `--amqp-key-file`.
+    pub amqp_key_file: Option<PathBuf>,
     /// `--slot`.
     pub slot: Option<String>,
     /// `--amqp-url`: one URL (which may be a comma-separated list) or an array of them,
@@ -72,13 +87,13 @@ pub struct FileSettings {
 #[serde(untagged)]
 pub enum OneOrMany {
     /// One string.
-    One(String),
+    One(Secret),
     /// An array of strings.
-    Many(Vec<String>),
+    Many(Vec<Secret>),
 }
 
 impl OneOrMany {
-    fn into_vec(self) -> Vec<String> {
+    fn into_vec(self) -> Vec<Secret> {
         match self {
             OneOrMany::One(s) => vec![s],
             OneOrMany::Many(v) => v,
@@ -93,6 +108,25 @@ const KEYS: &[(&str, &str)] = &[
         "database_url",
         "a string, postgres://user:password@host:port/db",
     ),
+    (
+        "database_url_file",
+        "a string, the path of a file holding database_url",
+    ),
+    (
+        "database_password_file",
+        "a string, the path of a file holding the database password",
+    ),
+    (
+        "amqp_url_file",
+        "a string, the path of a file holding amqp_url",
+    ),
+    (
+        "amqp_password_file",
+        "a string, the path of a file holding the RabbitMQ password",
+    ),
+    ("amqp_ca_file", "a string, the path of a PEM file"),
+    ("amqp_cert_file", "a string, the path of a PEM file"),
+    ("amqp_key_file", "a string, the path of a PEM file"),
     ("slot", "a string of a-z, 0-9 and _"),
     (
         "amqp_url",
@@ -166,7 +200,7 @@ pub enum ConfigFileError {
         fix: String,
     },
     /// A setting required by `run` is in none of the flag, the variable and the file.
-    #[error("missing {flag} <{}>: pass it, set {env}, or set {key} in a --config file", key.to_uppercase())]
+    #[error("missing {flag} <{}>: pass it, set {env}, name a file holding it with {flag}-file ({env}_FILE), or set {key} in a --config file", key.to_uppercase())]
     Missing {
         /// The flag, e.g. `--database-url`.
         flag: &'static str,
@@ -277,26 +311,47 @@ impl FileOrigin {
 /// [`CliError::Usage`] for what clap refuses; [`CliError::File`] for an unreadable or
 /// invalid file, or a required URL found nowhere.
 pub fn parse_cli() -> Result<(Cli, Option<FileOrigin>), CliError> {
-    // The URLs are required, but may come from the file: clap must not insist on them,
-    // so they get an empty, hidden default that `merge` checks.
-    let relax = |c: clap::Command| {
-        ["database_url", "amqp_url"].into_iter().fold(c, |c, id| {
-            c.mut_arg(id, |a| {
-                a.required(false).default_value("").hide_default_value(true)
-            })
-        })
-    };
-    let command = Cli::command()
-        .mut_subcommand("run", relax)
-        .mut_subcommand("check", relax);
-    let matches = command.try_get_matches().map_err(CliError::Usage)?;
+    // The URLs are required, but may come from a file or the config file: clap does not
+    // insist on them (they are optional there), `merge` and `secrets::resolve` do.
+    let matches = Cli::command().try_get_matches().map_err(CliError::Usage)?;
     let mut cli = Cli::from_arg_matches(&matches).map_err(CliError::Usage)?;
     let origin = match &mut cli.command {
-        Command::Run(args) => merge(args, matches.subcommand_matches("run"))?,
+        Command::Run(args) => {
+            let m = matches.subcommand_matches("run");
+            args.passwords_on_argv = passwords_on_argv(args, m);
+            merge(args, m)?
+        }
         Command::Check(args) => merge(args, matches.subcommand_matches("check"))?,
         _ => None,
     };
     Ok((cli, origin))
+}
+
+/// The URL flags of `run` given on the command line (not by a variable or a file) with a
+/// password in them: the process list shows it to every user of the machine.
+fn passwords_on_argv(args: &RunArgs, matches: Option<&ArgMatches>) -> Vec<&'static str> {
+    let on_argv =
+        |id: &str| matches.and_then(|m| m.value_source(id)) == Some(ValueSource::CommandLine);
+    let mut flags = Vec::new();
+    if on_argv("database_url")
+        && args
+            .db
+            .url
+            .database_url
+            .as_ref()
+            .is_some_and(|u| crate::secrets::has_password(&u.0))
+    {
+        flags.push("--database-url");
+    }
+    if on_argv("amqp_url")
+        && args
+            .amqp_url
+            .iter()
+            .any(|u| crate::secrets::has_password(&u.0))
+    {
+        flags.push("--amqp-url");
+    }
+    flags
 }
 
 fn merge(
@@ -311,7 +366,7 @@ fn merge(
     let origin = match args.config.clone() {
         None => None,
         Some(path) => {
-            let file = load(&path)?;
+            let mut file = load(&path)?;
             let mut keys = Vec::new();
             macro_rules! take {
                 ($($key:ident => $target:expr, $wrap:expr;)*) => {$(
@@ -324,11 +379,30 @@ fn merge(
                 )*};
             }
             use std::convert::identity as same;
+            // A connection string given one way by flag or variable is not also taken
+            // from the file another way (that would be "given twice").
+            let db_given = given("database_url") || given("database_url_file");
+            let amqp_given = given("amqp_url") || given("amqp_url_file");
+            if db_given {
+                file.database_url = None;
+                file.database_url_file = None;
+            }
+            if amqp_given {
+                file.amqp_url = None;
+                file.amqp_url_file = None;
+            }
             take! {
-                database_url => args.db.database_url, same;
+                database_url => args.db.url.database_url, Some;
+                database_url_file => args.db.url.database_url_file, Some;
+                database_password_file => args.db.url.database_password_file, Some;
                 slot => args.db.slot, same;
                 amqp_url => args.amqp_url, OneOrMany::into_vec;
                 amqp_url_order => args.amqp_url_order, same;
+                amqp_url_file => args.amqp_url_file, Some;
+                amqp_password_file => args.amqp_password_file, Some;
+                amqp_ca_file => args.amqp_ca_file, Some;
+                amqp_cert_file => args.amqp_cert_file, Some;
+                amqp_key_file => args.amqp_key_file, Some;
                 publication => args.publication, same;
                 exchange => args.exchange, same;
                 instance_id => args.instance_id, Some;
@@ -362,14 +436,17 @@ fn merge(
             Some(FileOrigin { path, keys })
         }
     };
-    if args.db.database_url.is_empty() && !given("database_url") {
+    if args.db.url.database_url.is_none() && args.db.url.database_url_file.is_none() {
         return Err(ConfigFileError::Missing {
             flag: "--database-url",
             env: "PGOUTBOX_DATABASE_URL",
             key: "database_url",
         });
     }
-    if args.amqp_url.iter().all(|u| u.trim().is_empty()) && !given("amqp_url") {
+    if args.amqp_url.iter().all(|u| u.0.trim().is_empty())
+        && !given("amqp_url")
+        && args.amqp_url_file.is_none()
+    {
         return Err(ConfigFileError::Missing {
             flag: "--amqp-url",
             env: "PGOUTBOX_AMQP_URL",
@@ -454,13 +531,13 @@ mod tests {
         .expect("valid");
         assert_eq!(
             nodes.amqp_url.map(OneOrMany::into_vec),
-            Some(vec!["amqp://a".to_owned(), "amqp://b".to_owned()])
+            Some(vec![Secret("amqp://a".into()), Secret("amqp://b".into())])
         );
         assert_eq!(nodes.amqp_url_order, Some(AmqpUrlOrderArg::Shuffle));
         let one = parse(p, "amqp_url = \"amqp://a,amqp://b\"\n").expect("valid");
         assert_eq!(
             one.amqp_url.map(OneOrMany::into_vec),
-            Some(vec!["amqp://a,amqp://b".to_owned()])
+            Some(vec![Secret("amqp://a,amqp://b".into())])
         );
         let e = parse(p, "amqp_url_order = \"random\"\n")
             .unwrap_err()

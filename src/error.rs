@@ -34,7 +34,7 @@ pub enum Error {
         timeout_s: u64,
     },
     /// The server asked for a password and the database URL carries none. Definite.
-    #[error("{target} asks for a password and none was given: add it to --database-url (PGOUTBOX_DATABASE_URL) as postgres://user:password@host:port/db")]
+    #[error("{target} asks for a password and none was given: add it to --database-url (PGOUTBOX_DATABASE_URL) as postgres://user:password@host:port/db, or put it alone in a file named by PGOUTBOX_DATABASE_PASSWORD_FILE")]
     PostgresPasswordMissing {
         /// `user@host:port/dbname` (no password).
         target: String,

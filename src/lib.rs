@@ -35,6 +35,7 @@ pub mod pipeline;
 pub mod publisher;
 pub mod replication;
 pub mod stream_state;
+pub mod secrets;
 pub mod watermark;
 
 pub use error::Error;

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force, LogFormat};
-use pgoutbox::config::{parse_database_url, validate_identifier};
+use pgoutbox::config::validate_identifier;
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
 
@@ -30,7 +30,7 @@ fn main() -> ExitCode {
     // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
     // u64::MAX seconds used to overflow `Instant` at SIGTERM).
     if let Command::Run(args) | Command::Check(args) = &cli.command {
-        if let Err(e) = args.clone().into_config().validate() {
+        if let Err(e) = args.clone().into_config().and_then(|c| c.validate()) {
             report_exit(cli.log_format, &e);
             if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
                 eprintln!("  {note}");
@@ -195,7 +195,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         Command::Setup(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
-            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let client = admin::connect(&args.db.url.config()?).await?;
             // Before anything changes: --lockdown / --unlock need a superuser.
             if args.lockdown {
                 admin::lockdown::require_superuser(&client, "--lockdown").await?;
@@ -208,6 +208,23 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
                 admin::provisioning::SlotFailover::Off
             };
             let report = admin::setup(&client, &args.db.slot, &args.publication, failover).await?;
+            if args.create_roles {
+                let roles =
+                    admin::create_roles(&client, &args.streamer_role, &args.producer_role).await?;
+                for (role, what) in [
+                    (&args.streamer_role, "streamer role, LOGIN REPLICATION"),
+                    (&args.producer_role, "producer role, NOLOGIN"),
+                ] {
+                    println!(
+                        "role {role} ({what}): {}, granted in this database",
+                        if roles.created.contains(role) {
+                            "created"
+                        } else {
+                            "existed"
+                        }
+                    );
+                }
+            }
             println!(
                 "setup done: slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
                 args.db.slot,
@@ -241,7 +258,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         Command::Teardown(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
-            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let client = admin::connect(&args.db.url.config()?).await?;
             let force = if args.force { Force::Yes } else { Force::No };
             let report = admin::teardown(&client, &args.db.slot, &args.publication, force).await?;
             println!(
@@ -263,7 +280,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         }
         Command::DeadLetters(cmd) => dead_letters(cmd).await.map(|()| 0),
         Command::Check(args) => {
-            let findings = pgoutbox::check::check(&args.into_config()).await;
+            let findings = pgoutbox::check::check(&args.into_config()?).await;
             match pgoutbox::check::print(&findings) {
                 0 => Ok(0),
                 n => Err(Error::Precondition(format!(
@@ -272,7 +289,14 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             }
         }
         Command::Run(args) => {
-            let config = args.into_config();
+            if !args.passwords_on_argv.is_empty() {
+                tracing::warn!(
+                    flags = %args.passwords_on_argv.join(", "),
+                    "a password was given on the command line ({}): every user of this machine can read it in the process list; set it through the environment (PGOUTBOX_DATABASE_URL, PGOUTBOX_AMQP_URL) or a file instead (--database-url-file, --amqp-url-file, PGOUTBOX_DATABASE_PASSWORD_FILE, PGOUTBOX_AMQP_PASSWORD_FILE)",
+                    args.passwords_on_argv.join(", ")
+                );
+            }
+            let config = args.into_config()?;
             let (tx, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(async move {
                 wait_for_signal().await;
@@ -302,7 +326,7 @@ async fn wait_for_signal() {
 async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
     match cmd {
         DeadLetterCommand::List(args) => {
-            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let client = admin::connect(&args.db.url.config()?).await?;
             let rows = admin::list_dead_letters(&client, args.all, args.limit).await?;
             if args.json {
                 println!("{}", serde_json::to_string(&rows).unwrap_or_default());
@@ -329,7 +353,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
         DeadLetterCommand::Requeue(args) => {
-            let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let mut client = admin::connect(&args.db.url.config()?).await?;
             let selection = if args.all {
                 admin::Selection::All
             } else {
@@ -354,7 +378,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
         DeadLetterCommand::Purge(args) => {
-            let client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+            let client = admin::connect(&args.db.url.config()?).await?;
             let selection = match (args.all, args.older_than) {
                 (true, _) => admin::Selection::All,
                 (false, Some(secs)) => admin::Selection::OlderThanSecs(secs),
@@ -382,7 +406,7 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
             ),
         }));
     }
-    let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+    let mut client = admin::connect(&args.db.url.config()?).await?;
     let lag = admin::LagThresholds {
         warn_bytes: args.warn_lag_bytes,
         crit_bytes: args.crit_lag_bytes,
@@ -516,7 +540,7 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
 async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
     validate_identifier("--slot", &args.db.slot)?;
     validate_identifier("--publication", &args.publication)?;
-    let mut client = admin::connect(&parse_database_url(&args.db.database_url)?).await?;
+    let mut client = admin::connect(&args.db.url.config()?).await?;
     let payloads = if args.payload {
         admin::Payloads::Include
     } else {

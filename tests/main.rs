@@ -19,6 +19,8 @@ mod observability;
 mod operations;
 mod proxy_smoke;
 mod publisher_wire;
+mod roles;
+mod secrets;
 mod standby;
 mod status;
 mod tls;

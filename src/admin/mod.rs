@@ -31,8 +31,8 @@ pub use inspection::{
 };
 pub use lockdown::{lock, lockdown_state, unlock, LockdownState};
 pub use provisioning::{
-    check_replication_role, check_wal_level, publication_exists, setup, teardown, SetupReport,
-    TeardownReport,
+    check_replication_role, check_wal_level, create_roles, publication_exists, setup, teardown,
+    RolesReport, SetupReport, TeardownReport, DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
 };
 
 /// How long an ordinary SQL connection attempt may take when the URL sets no

@@ -266,3 +266,65 @@ pub async fn teardown(
         publication_dropped,
     })
 }
+
+/// `sql/roles.sql`: the least-privilege streamer and producer roles (`setup --create-roles`).
+pub const ROLES_SQL: &str = include_str!("../../sql/roles.sql");
+
+/// Default `--streamer-role`.
+pub const DEFAULT_STREAMER_ROLE: &str = "pgoutbox_streamer";
+/// Default `--producer-role`.
+pub const DEFAULT_PRODUCER_ROLE: &str = "pgoutbox_producer";
+
+/// What `setup --create-roles` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RolesReport {
+    /// The roles created now (the others existed and were kept as they are).
+    pub created: Vec<String>,
+}
+
+/// Creates the streamer role (`LOGIN REPLICATION`) and the producer role (`NOLOGIN`) when
+/// missing and grants them, in the connected database, what `run` and `outbox.emit` need:
+/// `sql/roles.sql`, its function defined in `pg_temp` and called with these names.
+/// Idempotent; run after [`setup`] (the grants name objects of schema `outbox`).
+///
+/// # Errors
+/// [`Error::Config`] for a name that is not 1 to 63 of `a-z`, `0-9`, `_`;
+/// [`Error::Precondition`] when the connected role may not create roles with REPLICATION
+/// (a superuser is needed); [`Error::Sql`] otherwise.
+pub async fn create_roles(
+    client: &Client,
+    streamer: &str,
+    producer: &str,
+) -> Result<RolesReport, Error> {
+    crate::config::validate_identifier("--streamer-role", streamer)?;
+    crate::config::validate_identifier("--producer-role", producer)?;
+    let (definition, _call) = ROLES_SQL
+        .split_once("-- pgoutbox-call")
+        .expect("sql/roles.sql has its call marker");
+    let fail = |e: tokio_postgres::Error| {
+        if e.code().map(|c| c.code()) == Some("42501") {
+            Error::Precondition(format!(
+                "--create-roles needs a superuser (creating a role with REPLICATION does): run `pgoutbox setup --create-roles` as one, or have one run sql/roles.sql ({})",
+                e.as_db_error().map(|d| d.message()).unwrap_or("permission denied")
+            ))
+        } else {
+            Error::sql("creating the roles of sql/roles.sql", e)
+        }
+    };
+    client.batch_execute(definition).await.map_err(fail)?;
+    let row = client
+        .query_one(
+            "SELECT pg_temp.pgoutbox_create_roles($1::text::name, $2::text::name)",
+            &[&streamer, &producer],
+        )
+        .await
+        .map_err(fail)?;
+    let created: String = row.get(0);
+    Ok(RolesReport {
+        created: created
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    })
+}

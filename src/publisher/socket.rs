@@ -43,8 +43,9 @@ pub enum UrlError {
     Setting(String),
 }
 
-/// A broker to connect to, parsed from an `amqp://` or `amqps://` URL.
-#[derive(Debug, Clone)]
+/// A broker to connect to, parsed from an `amqp://` or `amqps://` URL. Its `Debug` shows
+/// the redacted URL, never the credentials in `uri`.
+#[derive(Clone)]
 pub struct Endpoint {
     /// Credentials, vhost, heartbeat and `frame_max` as `amq-protocol` reads them.
     pub uri: AMQPUri,
@@ -74,6 +75,19 @@ impl std::fmt::Display for Host {
             Host::Ip(IpAddr::V6(a)) => write!(f, "[{a}]"),
             Host::Ip(IpAddr::V4(a)) => write!(f, "{a}"),
         }
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("url", &self.redacted_url)
+            .field("user", &self.uri.authority.userinfo.username)
+            .field("vhost", &self.uri.vhost)
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
     }
 }
 

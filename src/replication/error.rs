@@ -123,7 +123,7 @@ pub enum Error {
         method: String,
     },
     /// The server asked for a password and the URL carries none.
-    #[error("the server asked for a password for user {user:?} but the database URL has none; add it to the URL (postgres://user:password@host/db)")]
+    #[error("the server asked for a password for user {user:?} but the database URL has none; add it to the URL (postgres://user:password@host/db), or put it alone in a file named by PGOUTBOX_DATABASE_PASSWORD_FILE")]
     PasswordMissing {
         /// The role name.
         user: String,

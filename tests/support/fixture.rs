@@ -4,6 +4,13 @@ use std::time::Duration;
 
 use super::{declare_bound_queue, drain_queue, unique, Postgres, Received, Streamer};
 
+/// The least-privilege role `run` connects as by default (`setup --create-roles` creates it:
+/// LOGIN REPLICATION, not a superuser, and the grants `run` needs). Trust auth in the harness.
+pub const STREAMER_ROLE: &str = "pgoutbox_streamer";
+
+/// The producer role `setup --create-roles` creates (NOLOGIN: EXECUTE on the emit helpers).
+pub const PRODUCER_ROLE: &str = "pgoutbox_producer";
+
 /// One test's outbox on a given Postgres and RabbitMQ.
 pub struct Outbox<'a> {
     /// The cluster.
@@ -23,8 +30,9 @@ pub struct Outbox<'a> {
 }
 
 impl<'a> Outbox<'a> {
-    /// Creates the database, runs `pgoutbox setup` through the binary, declares and binds
-    /// the queue.
+    /// Creates the database, runs `pgoutbox setup --create-roles` through the binary (as
+    /// the superuser), declares and binds the queue. `run` then connects as
+    /// [`STREAMER_ROLE`] unless a test opts out ([`Outbox::run_as_superuser`]).
     pub async fn new(pg: &'a Postgres, amqp_url: &str, name: &str) -> Outbox<'a> {
         let ob = Outbox::new_without_queue(pg, amqp_url, name).await;
         declare_bound_queue(amqp_url, &ob.exchange, &ob.queue, "#").await;
@@ -48,7 +56,7 @@ impl<'a> Outbox<'a> {
             queue,
             amqp_url: amqp_url.to_owned(),
         };
-        let out = ob.cli(&["setup", "--publication", &ob.publication]);
+        let out = ob.cli(&["setup", "--create-roles", "--publication", &ob.publication]);
         assert!(
             out.status.success(),
             "setup failed: {}",
@@ -79,8 +87,20 @@ impl<'a> Outbox<'a> {
             .expect("run pgoutbox")
     }
 
-    /// Starts `pgoutbox run` with this outbox's names plus `extra` arguments.
+    /// The database URL of the least-privilege streamer role (TCP, trust).
+    pub fn streamer_url(&self) -> String {
+        self.pg.url_as(STREAMER_ROLE, "", &self.db)
+    }
+
+    /// Starts `pgoutbox run` with this outbox's names plus `extra` arguments, connected as
+    /// the least-privilege [`STREAMER_ROLE`].
     pub fn run(&self, extra: &[&str]) -> Streamer {
+        self.run_with_url(&self.streamer_url(), extra)
+    }
+
+    /// Like [`Outbox::run`], connected as the superuser: only for tests that need what the
+    /// streamer role may not do.
+    pub fn run_as_superuser(&self, extra: &[&str]) -> Streamer {
         self.run_with_url(&self.url(), extra)
     }
 
@@ -92,7 +112,7 @@ impl<'a> Outbox<'a> {
     /// Like [`Outbox::run`] with another broker URL for the streamer (`amqps://`); the
     /// outbox's own URL stays the tests' for queues and consumers.
     pub fn run_with_amqp_url(&self, amqp_url: &str, extra: &[&str]) -> Streamer {
-        self.run_with_urls(&self.url(), amqp_url, extra)
+        self.run_with_urls(&self.streamer_url(), amqp_url, extra)
     }
 
     fn run_with_urls(&self, url: &str, amqp_url: &str, extra: &[&str]) -> Streamer {

@@ -262,3 +262,122 @@ async fn check_works_over_amqps_and_names_a_certificate_for_another_name() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tls_files_can_be_flags_and_a_conflict_with_the_url_names_both() {
+    let tls = TlsRabbit::shared();
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &tls.rabbit.url(), "tls_flags").await;
+    emit(&ob, 50);
+    // The CA as a flag, the client certificate and key as variables: no TLS parameter in
+    // the URL at all.
+    let ca = tls.ca.display().to_string();
+    let url = tls.amqps_url("");
+    let streamer = Streamer::spawn(
+        &[
+            "run",
+            "--database-url",
+            &ob.url(),
+            "--amqp-url",
+            &url,
+            "--amqp-ca-file",
+            &ca,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+            "--exchange",
+            &ob.exchange,
+            "--instance-id",
+            "tls-flags",
+        ],
+        &[
+            (
+                "PGOUTBOX_AMQP_CERT_FILE",
+                &tls.client_cert.display().to_string(),
+            ),
+            (
+                "PGOUTBOX_AMQP_KEY_FILE",
+                &tls.client_key.display().to_string(),
+            ),
+        ],
+    );
+    let got = ob.drain(50, scaled(Duration::from_secs(60))).await;
+    let ids: Vec<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let want: Vec<String> = (1..=50).map(|i| format!("tls-{i}")).collect();
+    assert_eq!(ids, want, "{}", streamer.log());
+    let connections = tls.rabbit.ctl_ok(&[
+        "-q",
+        "list_connections",
+        "client_properties",
+        "ssl",
+        "peer_cert_subject",
+    ]);
+    let ours = connections
+        .lines()
+        .find(|l| l.contains("pgoutbox tls-flags"))
+        .unwrap_or_else(|| panic!("no connection named pgoutbox tls-flags in:\n{connections}"));
+    assert!(ours.contains("\ttrue\t"), "not TLS: {ours}");
+    assert!(
+        ours.contains(&format!("CN={CLIENT_CN}")),
+        "no client certificate: {ours}"
+    );
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", streamer.log());
+
+    // The same CA in both places is fine (check passes); another one in the URL is a usage
+    // error naming the flag, its value and the URL's parameter.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args([
+            "check",
+            "--database-url",
+            &ob.url(),
+            "--amqp-url",
+            &tls.amqps_url(&format!("cacertfile={}", tls.other_ca.display())),
+            "--amqp-ca-file",
+            &ca,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+        ])
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .expect("run pgoutbox check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "invalid setting --amqp-ca-file (PGOUTBOX_AMQP_CA_FILE) = \"{ca}\": conflicts with cacertfile={} in --amqp-url",
+            tls.other_ca.display()
+        )),
+        "{stderr}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args([
+            "check",
+            "--database-url",
+            &ob.url(),
+            "--amqp-url",
+            &tls.amqps_url(&tls.cacertfile()),
+            "--amqp-ca-file",
+            &ca,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+            "--exchange",
+            &ob.exchange,
+        ])
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .expect("run pgoutbox check");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

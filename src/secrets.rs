@@ -1,0 +1,538 @@
+//! Secrets out of argv: connection strings read from files (`--database-url-file`,
+//! `--amqp-url-file`, the container-secret convention), a password alone read from a file
+//! (`--database-password-file`, `--amqp-password-file`) and put into the connection string,
+//! the AMQP TLS files as flags (`--amqp-ca-file`, `--amqp-cert-file`, `--amqp-key-file`),
+//! and [`Secret`], a string whose `Debug` never shows a password.
+//!
+//! Every function here is pure apart from reading the named files, and every failure is a
+//! [`ValidationError`] naming the flag (and so its environment variable), the value (a path,
+//! or a redacted URL) and the fix. No error or `Debug` output of this module carries a
+//! password.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::{redact_url, ValidationError};
+
+/// A connection string that may carry a password: `Debug` shows it redacted
+/// ([`redact_url`]), so a derived `Debug` of the CLI structs never prints it.
+#[derive(Clone, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", redact_url(&self.0))
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Self {
+        Secret(s)
+    }
+}
+
+/// Which connection string is being put together: the flags that name its parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// `--database-url`, `--database-url-file`, `--database-password-file`.
+    Postgres,
+    /// `--amqp-url`, `--amqp-url-file`, `--amqp-password-file`.
+    Amqp,
+}
+
+impl Target {
+    /// The flag of the connection string itself.
+    pub fn url_flag(self) -> &'static str {
+        match self {
+            Target::Postgres => "--database-url",
+            Target::Amqp => "--amqp-url",
+        }
+    }
+
+    /// The flag of the file holding the connection string.
+    pub fn file_flag(self) -> &'static str {
+        match self {
+            Target::Postgres => "--database-url-file",
+            Target::Amqp => "--amqp-url-file",
+        }
+    }
+
+    /// The flag of the file holding the password alone.
+    pub fn password_flag(self) -> &'static str {
+        match self {
+            Target::Postgres => "--database-password-file",
+            Target::Amqp => "--amqp-password-file",
+        }
+    }
+}
+
+/// Where the parts of one connection string come from (any of them may be unset).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sources {
+    /// The connection string itself (`--database-url` / `--amqp-url`).
+    pub url: Option<Secret>,
+    /// A file holding it (`--database-url-file` / `--amqp-url-file`).
+    pub url_file: Option<PathBuf>,
+    /// A file holding the password alone (`--database-password-file` / `--amqp-password-file`).
+    pub password_file: Option<PathBuf>,
+}
+
+/// Reads a secret file: its text without the trailing newline(s) an editor or `echo` adds
+/// (`\n` or `\r\n`; other whitespace is kept, a password may end in a space).
+///
+/// # Errors
+/// [`ValidationError`] for `setting` naming the path: unreadable (with the OS reason), not
+/// UTF-8, or empty.
+pub fn read_secret_file(setting: &'static str, path: &Path) -> Result<String, ValidationError> {
+    let bad = |rule: String| ValidationError {
+        setting,
+        value: path.display().to_string(),
+        rule,
+    };
+    let bytes = std::fs::read(path).map_err(|e| {
+        bad(format!(
+            "cannot read the file ({e}); fix the path, or the file's permissions for the user pgoutbox runs as"
+        ))
+    })?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| bad("the file is not UTF-8 text; write the value as text".into()))?;
+    let text = text.trim_end_matches(['\n', '\r']);
+    if text.is_empty() {
+        return Err(bad("the file is empty; write the value into it".into()));
+    }
+    Ok(text.to_owned())
+}
+
+/// Puts the connection string together: from the flag or from its file (exactly one), then
+/// with the password from the password file, when one is named.
+///
+/// # Errors
+/// [`ValidationError`]: neither or both of the string and its file, an unreadable file, a
+/// password file for a connection string that already has a password or no user.
+pub fn resolve(target: Target, sources: &Sources) -> Result<String, ValidationError> {
+    let url = match (&sources.url, &sources.url_file) {
+        (Some(_), Some(file)) => {
+            return Err(ValidationError {
+                setting: target.file_flag(),
+                value: file.display().to_string(),
+                rule: format!(
+                    "{} is given too; give the connection string one way only (unset one of them)",
+                    target.url_flag()
+                ),
+            })
+        }
+        (Some(url), None) => url.0.clone(),
+        (None, Some(file)) => read_secret_file(target.file_flag(), file)?,
+        (None, None) => {
+            return Err(ValidationError {
+                setting: target.url_flag(),
+                value: String::new(),
+                rule: format!(
+                    "missing: pass it, or name a file holding it with {} ({})",
+                    target.file_flag(),
+                    crate::config::env_of(target.file_flag()).unwrap_or_default()
+                ),
+            })
+        }
+    };
+    match &sources.password_file {
+        None => Ok(url),
+        Some(file) => {
+            let password = read_secret_file(target.password_flag(), file)?;
+            match target {
+                Target::Postgres => with_postgres_password(&url, &password),
+                Target::Amqp => with_url_password(target, &url, &password),
+            }
+        }
+    }
+}
+
+/// Whether a connection string (URL or keyword/value) carries a password.
+pub fn has_password(conn: &str) -> bool {
+    if is_url(conn) {
+        match url::Url::parse(conn) {
+            Ok(u) => u.password().is_some() || u.query_pairs().any(|(k, _)| k == "password"),
+            // Unparseable: assume the worst when it looks like user:secret@.
+            Err(_) => redact_url(conn) != conn,
+        }
+    } else {
+        conn.parse::<tokio_postgres::Config>()
+            .map(|c| c.get_password().is_some())
+            .unwrap_or_else(|_| conn.contains("password"))
+    }
+}
+
+fn is_url(conn: &str) -> bool {
+    conn.contains("://")
+}
+
+/// `conn` (a `postgres://` URL or a keyword/value string) with `password` added: in a URL's
+/// userinfo, percent-encoded (as a `password=` query parameter when the URL has no host,
+/// e.g. `postgres:///db?host=/run/postgresql`); in a keyword/value string as a quoted
+/// `password='...'` with `\` and `'` escaped, as libpq reads it.
+///
+/// # Errors
+/// [`ValidationError`] for `--database-password-file` when the string already has a
+/// password or does not parse.
+pub fn with_postgres_password(conn: &str, password: &str) -> Result<String, ValidationError> {
+    if is_url(conn) {
+        return with_url_password(Target::Postgres, conn, password);
+    }
+    let conflict = ValidationError {
+        setting: Target::Postgres.password_flag(),
+        value: redact_url(conn),
+        rule: format!(
+            "{} already has a password; give it one way only",
+            Target::Postgres.url_flag()
+        ),
+    };
+    if has_password(conn) {
+        return Err(conflict);
+    }
+    let quoted = password.replace('\\', "\\\\").replace('\'', "\\'");
+    Ok(format!("{conn} password='{quoted}'"))
+}
+
+fn with_url_password(
+    target: Target,
+    conn: &str,
+    password: &str,
+) -> Result<String, ValidationError> {
+    let bad = |rule: String| ValidationError {
+        setting: target.password_flag(),
+        value: redact_url(conn),
+        rule,
+    };
+    let mut u = url::Url::parse(conn).map_err(|e| {
+        bad(format!(
+            "{} is not a URL ({e}), so the password cannot be put into it",
+            target.url_flag()
+        ))
+    })?;
+    if has_password(conn) {
+        return Err(bad(format!(
+            "{} already has a password; give it one way only",
+            target.url_flag()
+        )));
+    }
+    if u.username().is_empty() && target == Target::Amqp {
+        return Err(bad(format!(
+            "{} names no user for the password; write amqp://USER@host/...",
+            target.url_flag()
+        )));
+    }
+    // Without a user in the userinfo (it may be a `user=` parameter) or without a host,
+    // userinfo cannot carry the password.
+    if u.username().is_empty() || u.set_password(Some(password)).is_err() {
+        // No host to carry userinfo (a Unix socket given as ?host=): libpq also reads the
+        // password as a parameter.
+        if target == Target::Postgres {
+            // Percent-encoded, a space as %20: libpq and tokio-postgres do not read `+`.
+            let encoded = url::form_urlencoded::byte_serialize(password.as_bytes())
+                .collect::<String>()
+                .replace('+', "%20");
+            let query = match u.query() {
+                Some(q) if !q.is_empty() => format!("{q}&password={encoded}"),
+                _ => format!("password={encoded}"),
+            };
+            u.set_query(Some(&query));
+        } else {
+            return Err(bad(format!(
+                "{} has no host, so it cannot carry a password",
+                target.url_flag()
+            )));
+        }
+    }
+    Ok(u.to_string())
+}
+
+/// The AMQP TLS files given as flags (`--amqp-ca-file`, `--amqp-cert-file`,
+/// `--amqp-key-file`); each is RabbitMQ's URL parameter of the same meaning.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AmqpTlsFiles {
+    /// `cacertfile=`: PEM CA certificates to trust instead of the system's.
+    pub ca_file: Option<PathBuf>,
+    /// `certfile=`: the client certificate chain (PEM).
+    pub cert_file: Option<PathBuf>,
+    /// `keyfile=`: the client certificate's private key (PEM).
+    pub key_file: Option<PathBuf>,
+}
+
+/// `amqp_url` with the TLS flags added as its query parameters, so the publisher reads one
+/// set of options. A flag whose parameter the URL already has with the same value changes
+/// nothing.
+///
+/// # Errors
+/// [`ValidationError`] naming the flag: the URL is not `amqps://`, or has the parameter
+/// with another value (both are named).
+pub fn with_amqp_tls_files(
+    amqp_url: &str,
+    files: &AmqpTlsFiles,
+) -> Result<String, ValidationError> {
+    let flags = [
+        ("--amqp-ca-file", "cacertfile", &files.ca_file),
+        ("--amqp-cert-file", "certfile", &files.cert_file),
+        ("--amqp-key-file", "keyfile", &files.key_file),
+    ];
+    if flags.iter().all(|(_, _, v)| v.is_none()) {
+        return Ok(amqp_url.to_owned());
+    }
+    let mut u = url::Url::parse(amqp_url).map_err(|e| ValidationError {
+        setting: "--amqp-url",
+        value: redact_url(amqp_url),
+        rule: format!("not an AMQP URL ({e}); expected amqps://user:password@host:port/vhost"),
+    })?;
+    for (flag, key, value) in flags {
+        let Some(path) = value else { continue };
+        let path_text = path.to_str().ok_or_else(|| ValidationError {
+            setting: flag,
+            value: path.display().to_string(),
+            rule: "the path is not UTF-8; use a UTF-8 path".into(),
+        })?;
+        if path_text.is_empty() {
+            return Err(ValidationError {
+                setting: flag,
+                value: String::new(),
+                rule: "is empty; give the path of a PEM file".into(),
+            });
+        }
+        if u.scheme() != "amqps" {
+            return Err(ValidationError {
+                setting: flag,
+                value: path_text.to_owned(),
+                rule: format!(
+                    "is a TLS setting, and --amqp-url {} does not use TLS; use amqps:// (RabbitMQ's TLS listener, port 5671 by default)",
+                    redact_url(amqp_url)
+                ),
+            });
+        }
+        let existing: Vec<String> = u
+            .query_pairs()
+            .filter(|(k, _)| k == key)
+            .map(|(_, v)| v.into_owned())
+            .collect();
+        match existing.first() {
+            Some(v) if v == path_text => {}
+            Some(v) => {
+                return Err(ValidationError {
+                    setting: flag,
+                    value: path_text.to_owned(),
+                    rule: format!(
+                        "conflicts with {key}={v} in --amqp-url; give the file one way only (drop {key}= from the URL or the flag)"
+                    ),
+                })
+            }
+            None => {
+                u.query_pairs_mut().append_pair(key, path_text);
+            }
+        }
+    }
+    Ok(u.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PW: &str = "Tr0ub4dor&3 'x' \\y@z:/?#%";
+
+    fn temp_file(name: &str, content: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("pgoutbox-secrets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, content).unwrap();
+        path
+    }
+
+    #[test]
+    fn files_lose_their_trailing_newline_only() {
+        let p = temp_file("a", "postgres://u@h/db\n");
+        assert_eq!(
+            read_secret_file("--database-url-file", &p).unwrap(),
+            "postgres://u@h/db"
+        );
+        let p = temp_file("b", "pw \r\n");
+        assert_eq!(read_secret_file("--x", &p).unwrap(), "pw ");
+        let e = read_secret_file("--database-url-file", Path::new("/nonexistent/url")).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("--database-url-file (PGOUTBOX_DATABASE_URL_FILE)")
+                && text.contains("/nonexistent/url")
+                && text.contains("cannot read"),
+            "{text}"
+        );
+        let p = temp_file("c", "\n");
+        assert!(read_secret_file("--x", &p)
+            .unwrap_err()
+            .to_string()
+            .contains("empty"));
+    }
+
+    #[test]
+    fn url_and_file_are_exclusive_and_one_is_needed() {
+        let file = temp_file("u", "amqp://g:g@h/%2f\n");
+        let both = Sources {
+            url: Some(Secret("amqp://g:hunter2@h".into())),
+            url_file: Some(file.clone()),
+            password_file: None,
+        };
+        let e = resolve(Target::Amqp, &both).unwrap_err().to_string();
+        assert!(
+            e.contains("--amqp-url-file") && e.contains("--amqp-url is given too"),
+            "{e}"
+        );
+        assert!(!e.contains("hunter2"), "{e}");
+        let e = resolve(Target::Postgres, &Sources::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("missing") && e.contains("PGOUTBOX_DATABASE_URL_FILE"),
+            "{e}"
+        );
+        let from_file = Sources {
+            url_file: Some(file),
+            ..Sources::default()
+        };
+        assert_eq!(
+            resolve(Target::Amqp, &from_file).unwrap(),
+            "amqp://g:g@h/%2f"
+        );
+    }
+
+    #[test]
+    fn passwords_are_encoded_into_urls_and_quoted_into_keyword_strings() {
+        let url = with_postgres_password("postgres://u@h:5432/db", PW).unwrap();
+        let parsed: tokio_postgres::Config = url.parse().unwrap();
+        assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
+        assert_eq!(parsed.get_hosts().len(), 1);
+        assert_eq!(parsed.get_dbname(), Some("db"));
+        // No host: a password= parameter.
+        let url = with_postgres_password("postgres:///db?host=/tmp&user=u", PW).unwrap();
+        let parsed: tokio_postgres::Config = url.parse().unwrap();
+        assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
+        assert!(
+            !redact_url(&url).contains("Tr0ub4dor"),
+            "{}",
+            redact_url(&url)
+        );
+        let kv = with_postgres_password("host=h user=u dbname=db", PW).unwrap();
+        let parsed: tokio_postgres::Config = kv.parse().unwrap();
+        assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
+        let amqp = with_url_password(Target::Amqp, "amqp://g@h:5672/%2f", PW).unwrap();
+        let ep = crate::publisher::socket::Endpoint::parse(&amqp).unwrap();
+        assert_eq!(ep.uri.authority.userinfo.password, PW);
+        // Twice is a conflict, without showing either password.
+        for (conn, target) in [
+            ("postgres://u:old@h/db", Target::Postgres),
+            ("host=h user=u password=old", Target::Postgres),
+            ("amqp://g:old@h/%2f", Target::Amqp),
+        ] {
+            let e = match target {
+                Target::Postgres => with_postgres_password(conn, PW),
+                Target::Amqp => with_url_password(target, conn, PW),
+            }
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("already has a password"), "{e}");
+            assert!(!e.contains("old") && !e.contains("Tr0ub4dor"), "{e}");
+        }
+        let e = with_url_password(Target::Amqp, "amqp://h/%2f", PW).unwrap_err();
+        assert!(e.to_string().contains("no user"), "{e}");
+    }
+
+    #[test]
+    fn tls_flags_become_url_parameters_and_conflicts_name_both() {
+        let files = AmqpTlsFiles {
+            ca_file: Some("/etc/ca.pem".into()),
+            ..AmqpTlsFiles::default()
+        };
+        let url = with_amqp_tls_files("amqps://g:g@h/%2f", &files).unwrap();
+        let ep = crate::publisher::socket::Endpoint::parse(&url).unwrap();
+        assert_eq!(
+            ep.tls.unwrap().anchors,
+            crate::publisher::tls::TrustAnchors::CaFile("/etc/ca.pem".into())
+        );
+        // The same value twice is fine.
+        assert!(with_amqp_tls_files("amqps://h/%2f?cacertfile=/etc/ca.pem", &files).is_ok());
+        let e = with_amqp_tls_files("amqps://g:secret@h/%2f?cacertfile=/other.pem", &files)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--amqp-ca-file (PGOUTBOX_AMQP_CA_FILE)")
+                && e.contains("/etc/ca.pem")
+                && e.contains("cacertfile=/other.pem in --amqp-url"),
+            "{e}"
+        );
+        let e = with_amqp_tls_files("amqp://g:secret@h/%2f", &files)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("amqps://") && !e.contains("secret"), "{e}");
+        let both = AmqpTlsFiles {
+            cert_file: Some("/c.pem".into()),
+            key_file: Some("/k.pem".into()),
+            ..AmqpTlsFiles::default()
+        };
+        let url = with_amqp_tls_files("amqps://h/%2f", &both).unwrap();
+        let id = crate::publisher::socket::Endpoint::parse(&url)
+            .unwrap()
+            .tls
+            .unwrap()
+            .identity
+            .unwrap();
+        assert_eq!(id.certfile, PathBuf::from("/c.pem"));
+        assert_eq!(id.keyfile, PathBuf::from("/k.pem"));
+    }
+
+    #[test]
+    fn debug_of_the_config_types_redacts() {
+        use clap::Parser;
+        let db = "postgres://u:hunter2pg@h/db";
+        let amqp = "amqps://g:hunter2mq@h/%2f?cacertfile=/ca.pem";
+        let cli = crate::cli::Cli::try_parse_from([
+            "pgoutbox",
+            "run",
+            "--database-url",
+            db,
+            "--amqp-url",
+            amqp,
+        ])
+        .unwrap();
+        let run = match &cli.command {
+            crate::cli::Command::Run(args) => args.clone(),
+            _ => unreachable!(),
+        };
+        let config = run.clone().into_config().unwrap();
+        let publisher = crate::publisher::PublisherConfig {
+            amqp_url: config.amqp_urls[0].clone(),
+            exchange: "x".into(),
+            connection_name: "pgoutbox test".into(),
+            signals: Default::default(),
+        };
+        let endpoint = crate::publisher::socket::Endpoint::parse(amqp).unwrap();
+        let file: crate::config_file::FileSettings =
+            toml::from_str(&format!("database_url = {db:?}\namqp_url = {amqp:?}\n")).unwrap();
+        let pg = crate::config::parse_database_url(db).unwrap();
+        for (what, text) in [
+            ("Cli", format!("{cli:?}")),
+            ("RunArgs", format!("{run:?}")),
+            ("RunConfig", format!("{config:?}")),
+            ("PublisherConfig", format!("{publisher:?}")),
+            ("Endpoint", format!("{endpoint:?}")),
+            ("FileSettings", format!("{file:?}")),
+            ("tokio_postgres::Config", format!("{pg:?}")),
+            ("Secret", format!("{:?}", Secret(db.into()))),
+        ] {
+            assert!(!text.contains("hunter2"), "{what}: {text}");
+            // Still useful: the user and host are shown.
+            assert!(text.contains('u') && text.contains('h'), "{what}: {text}");
+        }
+    }
+
+    #[test]
+    fn secret_debug_is_redacted() {
+        let s = Secret("postgres://u:hunter2@h/db".into());
+        assert!(!format!("{s:?}").contains("hunter2"));
+        let s = Secret("host=h password=hunter2".into());
+        assert!(!format!("{s:?}").contains("hunter2"));
+    }
+}
