@@ -31,6 +31,7 @@ pub mod lsn;
 pub mod metrics;
 pub mod pgoutput;
 pub mod pipeline;
+pub mod postgres_tls;
 pub mod publisher;
 pub mod replication;
 pub mod watermark;

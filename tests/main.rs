@@ -16,5 +16,6 @@ mod observability;
 mod operations;
 mod proxy_smoke;
 mod publisher_wire;
+mod pg_tls;
 mod status;
 mod tls;

@@ -264,7 +264,7 @@ struct Connected {
 /// first failure. `memory` carries what the next session needs.
 async fn run_session(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     mut shutdown: watch::Receiver<bool>,
     memory: &mut SessionMemory,
     summary: &mut RunSummary,
@@ -331,7 +331,7 @@ async fn run_session(
 /// dead-letter writer, and starts streaming.
 async fn connect(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     resume: Option<Lsn>,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
@@ -443,7 +443,7 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
 /// shutdown.
 async fn start_stream(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     sql: &tokio_postgres::Client,
     application_name: &str,
     start: Lsn,

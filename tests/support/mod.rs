@@ -28,6 +28,7 @@ pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
 pub mod streamer;
+pub mod pg_tls;
 pub mod tls;
 
 use std::collections::HashSet;
@@ -47,6 +48,7 @@ pub use amqp::{
 pub use fixture::{lsn, Outbox};
 pub use postgres::Postgres;
 pub use proxy::Proxy;
+pub use pg_tls::TlsPostgres;
 pub use rabbit::RabbitMq;
 pub use streamer::Streamer;
 pub use tls::TlsRabbit;
