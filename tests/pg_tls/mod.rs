@@ -179,7 +179,8 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
     let db = tls.create_database("pgtls_cb");
     let scram = |pg: &Postgres, query: &str| format!("{}?{query}", pg.url_as("pw_scram", "pw_scram", &db));
     // Over TLS: both connections authenticate with SCRAM-SHA-256-PLUS.
-    for query in ["sslmode=require&channel_binding=require", "channel_binding=require", "sslmode=verify-ca&channel_binding=require&".to_owned() + &tls.rootcert()].iter().map(|q| q.as_ref()) {
+    let verify_ca = format!("sslmode=verify-ca&channel_binding=require&{}", tls.rootcert());
+    for query in ["sslmode=require&channel_binding=require", "channel_binding=require", &verify_ca] {
         let config = parse_database_url(&scram(&tls.pg, query)).expect("url");
         let client = pgoutbox::admin::connect(&config).await.unwrap_or_else(|e| panic!("{query}: {e}"));
         let row = client

@@ -70,11 +70,13 @@ impl TlsPostgres {
             hba.push_str(&format!("hostssl {db} all ::1/128 trust\n"));
         }
         write(data.join("pg_hba.conf"), &hba, 0o600);
-        pg.psql(
-            "postgres",
-            "ALTER SYSTEM SET ssl = on; ALTER SYSTEM SET ssl_cert_file = 'server.crt'; \
-             ALTER SYSTEM SET ssl_key_file = 'server.key'",
-        );
+        for setting in [
+            "ssl = on",
+            "ssl_cert_file = 'server.crt'",
+            "ssl_key_file = 'server.key'",
+        ] {
+            pg.psql("postgres", &format!("ALTER SYSTEM SET {setting}"));
+        }
         pg.psql("postgres", "SELECT pg_reload_conf()");
         let on = wait_until_blocking(scaled(Duration::from_secs(10)), || {
             pg.psql("postgres", "SHOW ssl").trim() == "on"
