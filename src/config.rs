@@ -322,7 +322,9 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
     tls.validate().map_err(invalid)?;
     let mut config: tokio_postgres::Config = rest.parse().map_err(|e| invalid(format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname")))?;
     if config.get_user().is_none() {
-        return Err(invalid("no user given; write postgres://USER@host/dbname".into()));
+        return Err(invalid(
+            "no user given; write postgres://USER@host/dbname".into(),
+        ));
     }
     use crate::postgres_tls::{ChannelBindingMode, SslMode};
     let unix = matches!(
@@ -370,7 +372,9 @@ pub fn split_tls_parameters(
                 percent_encoding::percent_decode_str(s)
                     .decode_utf8()
                     .map(|c| c.into_owned())
-                    .map_err(|_| format!("the URL parameter {s:?} is not UTF-8 once percent-decoded"))
+                    .map_err(|_| {
+                        format!("the URL parameter {s:?} is not UTF-8 once percent-decoded")
+                    })
             };
             if !tls.take_parameter(&decode(key)?, &decode(value)?)? {
                 kept.push(pair);
@@ -738,7 +742,10 @@ mod tests {
         use tokio_postgres::config::SslMode as Pg;
         let c = parse_database_url("postgres://u:p%40ss@h:6543/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca%20x.pem&connect_timeout=3&channel_binding=require").unwrap();
         assert_eq!(c.tls.mode, SslMode::VerifyFull);
-        assert_eq!(c.tls.root_cert, Some(RootCert::File("/etc/ca x.pem".into())));
+        assert_eq!(
+            c.tls.root_cert,
+            Some(RootCert::File("/etc/ca x.pem".into()))
+        );
         assert_eq!(c.tls.channel_binding, ChannelBindingMode::Require);
         assert_eq!(c.get_ssl_mode(), Pg::Require);
         assert_eq!(c.get_password(), Some(&b"p@ss"[..]));
@@ -748,42 +755,92 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.tls.mode, SslMode::VerifyCa);
-        assert_eq!(c.tls.root_cert, Some(RootCert::File("/ca dir/it's.pem".into())));
+        assert_eq!(
+            c.tls.root_cert,
+            Some(RootCert::File("/ca dir/it's.pem".into()))
+        );
         assert_eq!(c.tls.client_cert, Some(("/c.pem".into(), "/k.pem".into())));
         assert_eq!(c.get_dbname(), Some("d"));
         // The default is prefer, as in libpq; allow starts in plaintext.
         let c = parse_database_url("postgres://u@h/db").unwrap();
-        assert_eq!((c.tls.mode, c.get_ssl_mode()), (SslMode::Prefer, Pg::Prefer));
+        assert_eq!(
+            (c.tls.mode, c.get_ssl_mode()),
+            (SslMode::Prefer, Pg::Prefer)
+        );
         let c = parse_database_url("postgres://u@h/db?sslmode=allow").unwrap();
-        assert_eq!((c.tls.mode, c.get_ssl_mode()), (SslMode::Allow, Pg::Disable));
+        assert_eq!(
+            (c.tls.mode, c.get_ssl_mode()),
+            (SslMode::Allow, Pg::Disable)
+        );
         // A Unix-domain socket never uses TLS (libpq ignores sslmode there).
         let c = parse_database_url("host=/tmp user=u sslmode=require").unwrap();
         assert_eq!(c.get_ssl_mode(), Pg::Disable);
         // require with a root certificate verifies the chain, as libpq does.
-        let c = parse_database_url("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem").unwrap();
+        let c =
+            parse_database_url("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem").unwrap();
         assert!(c.tls.verifies_chain());
-        assert!(!parse_database_url("postgres://u@h/db?sslmode=require").unwrap().tls.verifies_chain());
-        let c = parse_database_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=system").unwrap();
+        assert!(!parse_database_url("postgres://u@h/db?sslmode=require")
+            .unwrap()
+            .tls
+            .verifies_chain());
+        let c =
+            parse_database_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=system").unwrap();
         assert_eq!(c.tls.root_cert, Some(RootCert::System));
     }
 
     #[test]
     fn refuses_bad_or_unsupported_tls_parameters_naming_them() {
         for (url, want) in [
-            ("postgres://u:secret@h/db?sslmode=verify_full", "sslmode=verify_full is not an sslmode; use disable, allow, prefer"),
+            (
+                "postgres://u:secret@h/db?sslmode=verify_full",
+                "sslmode=verify_full is not an sslmode; use disable, allow, prefer",
+            ),
             ("host=h user=u sslmode=on", "sslmode=on is not an sslmode"),
-            ("postgres://u@h/db?channel_binding=always", "channel_binding=always is not a channel_binding mode"),
-            ("postgres://u@h/db?sslmode=verify-full", "needs sslrootcert="),
-            ("postgres://u@h/db?sslmode=verify-ca", "does not read libpq's default ~/.postgresql/root.crt"),
-            ("postgres://u@h/db?sslmode=require&sslrootcert=system", "sslrootcert=system needs sslmode=verify-full"),
-            ("postgres://u@h/db?sslmode=require&sslcert=/c.pem", "sslcert= needs sslkey="),
-            ("postgres://u@h/db?sslmode=require&sslkey=/k.pem", "sslkey= needs sslcert="),
+            (
+                "postgres://u@h/db?channel_binding=always",
+                "channel_binding=always is not a channel_binding mode",
+            ),
+            (
+                "postgres://u@h/db?sslmode=verify-full",
+                "needs sslrootcert=",
+            ),
+            (
+                "postgres://u@h/db?sslmode=verify-ca",
+                "does not read libpq's default ~/.postgresql/root.crt",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslrootcert=system",
+                "sslrootcert=system needs sslmode=verify-full",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslcert=/c.pem",
+                "sslcert= needs sslkey=",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslkey=/k.pem",
+                "sslkey= needs sslcert=",
+            ),
             ("postgres://u@h/db?sslrootcert=", "sslrootcert= is empty"),
-            ("postgres://u@h/db?sslcrl=/crl.pem", "sslcrl= is not supported by pgoutbox"),
-            ("postgres://u@h/db?sslnegotiation=direct", "sslnegotiation=direct is not supported"),
-            ("host=h user=u sslfoo=1", "sslfoo= is not a TLS setting pgoutbox knows"),
-            ("postgres://u@h/db?sslmode=disable&channel_binding=require", "channel_binding=require needs TLS"),
-            ("host=h user=u sslrootcert='/unterminated", "unterminated quote"),
+            (
+                "postgres://u@h/db?sslcrl=/crl.pem",
+                "sslcrl= is not supported by pgoutbox",
+            ),
+            (
+                "postgres://u@h/db?sslnegotiation=direct",
+                "sslnegotiation=direct is not supported",
+            ),
+            (
+                "host=h user=u sslfoo=1",
+                "sslfoo= is not a TLS setting pgoutbox knows",
+            ),
+            (
+                "postgres://u@h/db?sslmode=disable&channel_binding=require",
+                "channel_binding=require needs TLS",
+            ),
+            (
+                "host=h user=u sslrootcert='/unterminated",
+                "unterminated quote",
+            ),
         ] {
             let e = parse_database_url(url).unwrap_err();
             assert_eq!(e.setting, "--database-url");
@@ -792,9 +849,12 @@ mod tests {
             assert!(!text.contains("secret"), "{text}");
         }
         // Other parameters are left exactly as written for tokio-postgres' parser.
-        let (rest, _) = split_tls_parameters("host=h  sslmode=require user='a b' sslrootcert=/x").unwrap();
+        let (rest, _) =
+            split_tls_parameters("host=h  sslmode=require user='a b' sslrootcert=/x").unwrap();
         assert_eq!(rest, "host=h   user='a b' ");
-        let (rest, _) = split_tls_parameters("postgres://u@h/db?sslmode=require&application_name=x%20y").unwrap();
+        let (rest, _) =
+            split_tls_parameters("postgres://u@h/db?sslmode=require&application_name=x%20y")
+                .unwrap();
         assert_eq!(rest, "postgres://u@h/db?application_name=x%20y");
     }
 

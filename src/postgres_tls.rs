@@ -40,7 +40,9 @@ use tokio_rustls::rustls::client::danger::{
     HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier,
 };
 use tokio_rustls::rustls::client::WebPkiServerVerifier;
-use tokio_rustls::rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+use tokio_rustls::rustls::crypto::{
+    verify_tls12_signature, verify_tls13_signature, CryptoProvider,
+};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use tokio_rustls::rustls::{
@@ -146,12 +148,24 @@ pub const TLS_PARAMETERS: [&str; 5] = [
 const UNSUPPORTED_PARAMETERS: [(&str, &str); 8] = [
     ("sslcrl", "certificate revocation lists are not checked"),
     ("sslcrldir", "certificate revocation lists are not checked"),
-    ("sslpassword", "encrypted private keys are not supported; give sslkey= an unencrypted PEM key"),
-    ("sslcertmode", "a client certificate is sent when sslcert= and sslkey= are given"),
+    (
+        "sslpassword",
+        "encrypted private keys are not supported; give sslkey= an unencrypted PEM key",
+    ),
+    (
+        "sslcertmode",
+        "a client certificate is sent when sslcert= and sslkey= are given",
+    ),
     ("ssl_min_protocol_version", "TLS 1.2 and 1.3 are offered"),
     ("ssl_max_protocol_version", "TLS 1.2 and 1.3 are offered"),
-    ("gssencmode", "GSSAPI encryption is not supported; use sslmode="),
-    ("requiressl", "it is deprecated in libpq; use sslmode=require"),
+    (
+        "gssencmode",
+        "GSSAPI encryption is not supported; use sslmode=",
+    ),
+    (
+        "requiressl",
+        "it is deprecated in libpq; use sslmode=require",
+    ),
 ];
 
 impl PostgresTls {
@@ -214,7 +228,9 @@ impl PostgresTls {
             "sslcompression" => {}
             _ => {
                 if let Some((_, why)) = UNSUPPORTED_PARAMETERS.iter().find(|(k, _)| *k == key) {
-                    return Err(format!("{key}= is not supported by pgoutbox ({why}); remove it"));
+                    return Err(format!(
+                        "{key}= is not supported by pgoutbox ({why}); remove it"
+                    ));
                 }
                 if key.starts_with("ssl") {
                     return Err(format!("{key}= is not a TLS setting pgoutbox knows; the TLS settings are sslmode, sslrootcert, sslcert, sslkey and channel_binding"));
@@ -245,7 +261,8 @@ impl PostgresTls {
         if self.root_cert == Some(RootCert::System) && self.mode != SslMode::VerifyFull {
             return Err(format!("sslrootcert=system needs sslmode=verify-full (as in libpq): the platform's CAs sign certificates for anyone, so only the host name check makes them mean something; sslmode={} was given", self.mode.as_str()));
         }
-        if matches!(self.mode, SslMode::VerifyCa | SslMode::VerifyFull) && self.root_cert.is_none() {
+        if matches!(self.mode, SslMode::VerifyCa | SslMode::VerifyFull) && self.root_cert.is_none()
+        {
             return Err(format!("sslmode={} verifies the server's certificate and needs sslrootcert= (a PEM file with the CA that signed it, or system for the platform's trust store); pgoutbox does not read libpq's default ~/.postgresql/root.crt", self.mode.as_str()));
         }
         if self.channel_binding == ChannelBindingMode::Require && self.mode == SslMode::Disable {
@@ -263,7 +280,9 @@ impl PostgresTls {
     /// What the server's certificate is checked against, for messages.
     pub fn anchors_text(&self) -> String {
         match (&self.root_cert, self.verifies_chain()) {
-            (_, false) => "nothing (sslmode=require without sslrootcert verifies no certificate)".into(),
+            (_, false) => {
+                "nothing (sslmode=require without sslrootcert verifies no certificate)".into()
+            }
             (Some(RootCert::File(p)), true) => format!("sslrootcert={}", p.display()),
             (Some(RootCert::System), true) => "the system trust store (sslrootcert=system)".into(),
             (None, true) => "no CA".into(),
@@ -281,13 +300,21 @@ impl PostgresTls {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let setup = |what: String, reason: String, fix: &str| TlsError {
             target: target.to_owned(),
-            context: format!("cannot use {what} from --database-url (PGOUTBOX_DATABASE_URL): {reason}"),
+            context: format!(
+                "cannot use {what} from --database-url (PGOUTBOX_DATABASE_URL): {reason}"
+            ),
             fix: fix.to_owned(),
             definite: true,
         };
         let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
-            .map_err(|e| setup("the TLS configuration".into(), e.to_string(), "report this: the ring provider offers TLS 1.2 and 1.3"))?;
+            .map_err(|e| {
+                setup(
+                    "the TLS configuration".into(),
+                    e.to_string(),
+                    "report this: the ring provider offers TLS 1.2 and 1.3",
+                )
+            })?;
         let verifier: Arc<dyn ServerCertVerifier> = if self.verifies_chain() {
             let mut roots = RootCertStore::empty();
             match &self.root_cert {
@@ -296,7 +323,16 @@ impl PostgresTls {
                     let fix = "point sslrootcert= at a readable PEM file holding the CA certificate that signed the server's certificate (the server's ssl_ca_file, or the CA that issued its ssl_cert_file)";
                     let certs = read_certificates(file).map_err(|r| setup(what.clone(), r, fix))?;
                     for (i, cert) in certs.into_iter().enumerate() {
-                        roots.add(cert).map_err(|e| setup(what.clone(), format!("certificate {} in it is not a usable CA certificate ({e})", i + 1), fix))?;
+                        roots.add(cert).map_err(|e| {
+                            setup(
+                                what.clone(),
+                                format!(
+                                    "certificate {} in it is not a usable CA certificate ({e})",
+                                    i + 1
+                                ),
+                                fix,
+                            )
+                        })?;
                     }
                 }
                 Some(RootCert::System) => {
@@ -306,11 +342,20 @@ impl PostgresTls {
                         return Err(setup("sslrootcert=system".into(), "the system trust store holds no CA certificate".into(), "install the platform's CA certificates (Debian: the ca-certificates package), or set sslrootcert= to the CA that signed the server's certificate"));
                     }
                 }
-                None => unreachable!("verify-ca/verify-full without sslrootcert is refused by validate"),
+                None => {
+                    unreachable!("verify-ca/verify-full without sslrootcert is refused by validate")
+                }
             }
-            let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
-                .build()
-                .map_err(|e| setup("sslrootcert".into(), e.to_string(), "give sslrootcert= a PEM file with at least one CA certificate"))?;
+            let webpki =
+                WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
+                    .build()
+                    .map_err(|e| {
+                        setup(
+                            "sslrootcert".into(),
+                            e.to_string(),
+                            "give sslrootcert= a PEM file with at least one CA certificate",
+                        )
+                    })?;
             if self.mode == SslMode::VerifyFull {
                 webpki
             } else {
@@ -329,8 +374,15 @@ impl PostgresTls {
                 let chain = read_certificates(cert_file).map_err(|r| setup(what.clone(), r, "point sslcert= at a readable PEM file holding the client certificate (and its intermediates)"))?;
                 let key_what = format!("sslkey={}", key_file.display());
                 let key_fix = "point sslkey= at the readable, unencrypted PEM private key of the client certificate in sslcert=";
-                let bytes = std::fs::read(key_file).map_err(|e| setup(key_what.clone(), read_reason(&e), key_fix))?;
-                let key = PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| setup(key_what.clone(), format!("no private key in it ({e})"), key_fix))?;
+                let bytes = std::fs::read(key_file)
+                    .map_err(|e| setup(key_what.clone(), read_reason(&e), key_fix))?;
+                let key = PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| {
+                    setup(
+                        key_what.clone(),
+                        format!("no private key in it ({e})"),
+                        key_fix,
+                    )
+                })?;
                 builder.with_client_auth_cert(chain, key).map_err(|e| setup(format!("{what} with {key_what}"), e.to_string(), "give the key that belongs to the certificate, of a type rustls supports (RSA, ECDSA P-256/P-384, Ed25519)"))?
             }
         };
@@ -346,7 +398,9 @@ impl PostgresTls {
 pub fn server_name(host: &str, target: &str) -> Result<ServerName<'static>, TlsError> {
     ServerName::try_from(host.to_owned()).map_err(|_| TlsError {
         target: target.to_owned(),
-        context: format!("the host {host:?} is neither a DNS name nor an IP address, so TLS cannot verify it"),
+        context: format!(
+            "the host {host:?} is neither a DNS name nor an IP address, so TLS cannot verify it"
+        ),
         fix: "connect by the host name in the server's certificate".into(),
         definite: true,
     })
@@ -459,13 +513,21 @@ pub fn tls_server_end_point(cert: &[u8]) -> Option<Vec<u8>> {
     match oid.as_str() {
         // md5WithRSAEncryption, sha1WithRSAEncryption, sha256WithRSAEncryption,
         // ecdsa-with-SHA1, ecdsa-with-SHA256, id-dsa-with-sha1, dsa-with-sha256
-        "1.2.840.113549.1.1.4" | "1.2.840.113549.1.1.5" | "1.2.840.113549.1.1.11"
-        | "1.2.840.10045.4.1" | "1.2.840.10045.4.3.2" | "1.2.840.10040.4.3"
+        "1.2.840.113549.1.1.4"
+        | "1.2.840.113549.1.1.5"
+        | "1.2.840.113549.1.1.11"
+        | "1.2.840.10045.4.1"
+        | "1.2.840.10045.4.3.2"
+        | "1.2.840.10040.4.3"
         | "2.16.840.1.101.3.4.3.2" => Some(sha2::Sha256::digest(cert).to_vec()),
         // sha384WithRSAEncryption, ecdsa-with-SHA384
-        "1.2.840.113549.1.1.12" | "1.2.840.10045.4.3.3" => Some(sha2::Sha384::digest(cert).to_vec()),
+        "1.2.840.113549.1.1.12" | "1.2.840.10045.4.3.3" => {
+            Some(sha2::Sha384::digest(cert).to_vec())
+        }
         // sha512WithRSAEncryption, ecdsa-with-SHA512
-        "1.2.840.113549.1.1.13" | "1.2.840.10045.4.3.4" => Some(sha2::Sha512::digest(cert).to_vec()),
+        "1.2.840.113549.1.1.13" | "1.2.840.10045.4.3.4" => {
+            Some(sha2::Sha512::digest(cert).to_vec())
+        }
         _ => None,
     }
 }
@@ -543,7 +605,12 @@ impl ServerCertVerifier for Unverified {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -552,7 +619,12 @@ impl ServerCertVerifier for Unverified {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
@@ -627,7 +699,13 @@ mod tests {
         assert!(check(&verifier(ca.clone(), SslMode::VerifyCa), &name).is_ok());
         let e = check(&verifier(ca.clone(), SslMode::VerifyFull), &name).unwrap_err();
         assert!(
-            matches!(e, rustls::Error::InvalidCertificate(CertificateError::NotValidForNameContext { .. } | CertificateError::NotValidForName)),
+            matches!(
+                e,
+                rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForNameContext { .. }
+                        | CertificateError::NotValidForName
+                )
+            ),
             "{e:?}"
         );
         let right = ServerName::try_from("db.example").unwrap();
@@ -636,7 +714,12 @@ mod tests {
         for mode in [SslMode::VerifyCa, SslMode::VerifyFull] {
             let e = check(&verifier(other_ca.clone(), mode), &right).unwrap_err();
             assert!(
-                matches!(e, rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer | CertificateError::BadSignature)),
+                matches!(
+                    e,
+                    rustls::Error::InvalidCertificate(
+                        CertificateError::UnknownIssuer | CertificateError::BadSignature
+                    )
+                ),
                 "{mode:?}: {e:?}"
             );
         }
@@ -665,7 +748,11 @@ mod tests {
             .unwrap()
             .self_signed(&key)
             .unwrap();
-        assert_eq!(tls_server_end_point(ed.der()), None, "Ed25519 names no hash");
+        assert_eq!(
+            tls_server_end_point(ed.der()),
+            None,
+            "Ed25519 names no hash"
+        );
         assert_eq!(tls_server_end_point(b"not a certificate"), None);
     }
 
@@ -678,13 +765,42 @@ mod tests {
         };
         let io = |e: rustls::Error| io::Error::new(io::ErrorKind::InvalidData, e);
         let target = "PostgreSQL u@db:5432/d";
-        let e = handshake_error(&io(rustls::Error::InvalidCertificate(CertificateError::NotValidForName)), &tls, "db", target);
+        let e = handshake_error(
+            &io(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName,
+            )),
+            &tls,
+            "db",
+            target,
+        );
         assert!(e.definite);
-        assert!(e.to_string().contains("not valid for the host name \"db\"") && e.to_string().contains("connect by a name the certificate lists"), "{e}");
-        let e = handshake_error(&io(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)), &tls, "db", target);
+        assert!(
+            e.to_string().contains("not valid for the host name \"db\"")
+                && e.to_string()
+                    .contains("connect by a name the certificate lists"),
+            "{e}"
+        );
+        let e = handshake_error(
+            &io(rustls::Error::InvalidCertificate(
+                CertificateError::UnknownIssuer,
+            )),
+            &tls,
+            "db",
+            target,
+        );
         assert!(e.definite);
-        assert!(e.to_string().contains("did not verify against sslrootcert=/ca.pem") && e.to_string().contains("set sslrootcert="), "{e}");
-        let e = handshake_error(&io::Error::new(io::ErrorKind::UnexpectedEof, "eof"), &tls, "db", target);
+        assert!(
+            e.to_string()
+                .contains("did not verify against sslrootcert=/ca.pem")
+                && e.to_string().contains("set sslrootcert="),
+            "{e}"
+        );
+        let e = handshake_error(
+            &io::Error::new(io::ErrorKind::UnexpectedEof, "eof"),
+            &tls,
+            "db",
+            target,
+        );
         assert!(!e.definite, "a dropped handshake is retried");
         let e = refused_tls(&tls, target);
         assert!(e.definite && e.to_string().contains("ssl = on"), "{e}");

@@ -88,15 +88,18 @@ async fn request_ssl(socket: &mut TcpStream) -> Result<bool, Error> {
     const CTX: &str = "negotiating TLS (SSLRequest)";
     let mut buf = BytesMut::new();
     frontend::ssl_request(&mut buf);
-    socket
-        .write_all(&buf)
-        .await
-        .map_err(|source| Error::Io { context: CTX, source })?;
+    socket.write_all(&buf).await.map_err(|source| Error::Io {
+        context: CTX,
+        source,
+    })?;
     let mut answer = [0u8; 1];
     socket
         .read_exact(&mut answer)
         .await
-        .map_err(|source| Error::Io { context: CTX, source })?;
+        .map_err(|source| Error::Io {
+            context: CTX,
+            source,
+        })?;
     match answer[0] {
         b'S' => Ok(true),
         b'N' => Ok(false),
@@ -246,7 +249,12 @@ impl ReplicationConnection {
                         .connect(server_name, s)
                         .await
                         .map_err(|e| {
-                            Error::Tls(postgres_tls::handshake_error(&e, &config.tls, name, &target))
+                            Error::Tls(postgres_tls::handshake_error(
+                                &e,
+                                &config.tls,
+                                name,
+                                &target,
+                            ))
                         })?;
                     binding = tls
                         .get_ref()
@@ -289,14 +297,13 @@ impl ReplicationConnection {
             },
         )?;
         conn.flush("sending the startup message").await?;
-        let startup = Startup::new(&user, config.get_password()).with_channel_binding(
-            ChannelBindingState {
+        let startup =
+            Startup::new(&user, config.get_password()).with_channel_binding(ChannelBindingState {
                 mode: config.tls.channel_binding,
                 encrypted,
                 end_point: binding,
                 target: target.clone(),
-            },
-        );
+            });
         match conn.authenticate(startup).await {
             Err(Error::Server { context, mut error }) => {
                 if error.hint.is_none() {
@@ -734,9 +741,10 @@ impl<'a> Startup<'a> {
                 // RFC 5802 section 6: 'p' when both sides bind; 'y' when we could but the
                 // server did not offer PLUS (it detects a downgrade); 'n' when we cannot.
                 let (mechanism, binding) = match end_point {
-                    Some(data) if has_plus => {
-                        (SCRAM_SHA_256_PLUS, ChannelBinding::tls_server_end_point(data))
-                    }
+                    Some(data) if has_plus => (
+                        SCRAM_SHA_256_PLUS,
+                        ChannelBinding::tls_server_end_point(data),
+                    ),
                     _ if self.binding.mode == ChannelBindingMode::Require => {
                         let offered = if !self.binding.encrypted {
                             "the session is not over TLS (the server answered the SSLRequest with N, or a Unix-domain socket), so there is nothing to bind to".to_owned()
@@ -757,12 +765,12 @@ impl<'a> Startup<'a> {
                 };
                 self.bound = mechanism == SCRAM_SHA_256_PLUS;
                 let s = ScramSha256::new(pw, binding);
-                frontend::sasl_initial_response(mechanism, s.message(), out).map_err(
-                    |source| Error::Io {
+                frontend::sasl_initial_response(mechanism, s.message(), out).map_err(|source| {
+                    Error::Io {
                         context: CTX,
                         source,
-                    },
-                )?;
+                    }
+                })?;
                 self.scram = Some(s);
                 Ok(StartupStep::Send { context: CTX })
             }

@@ -24,11 +24,11 @@
 pub mod amqp;
 pub mod fake_broker;
 pub mod fixture;
+pub mod pg_tls;
 pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
 pub mod streamer;
-pub mod pg_tls;
 pub mod tls;
 
 use std::collections::HashSet;
@@ -46,9 +46,9 @@ pub use amqp::{
     amqp_connect, declare_bound_queue, drain_queue, publish, purge_queue, queue_len, Received,
 };
 pub use fixture::{lsn, Outbox};
+pub use pg_tls::TlsPostgres;
 pub use postgres::Postgres;
 pub use proxy::Proxy;
-pub use pg_tls::TlsPostgres;
 pub use rabbit::RabbitMq;
 pub use streamer::Streamer;
 pub use tls::TlsRabbit;

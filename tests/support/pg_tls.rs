@@ -44,8 +44,7 @@ impl TlsPostgres {
         let root = pg.root_dir();
         let write = |path: PathBuf, text: &str, mode: u32| {
             std::fs::write(&path, text).expect("write a certificate file");
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-                .expect("chmod");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
             if is_root() {
                 let ok = std::process::Command::new("chown")
                     .arg("postgres:")
@@ -65,7 +64,9 @@ impl TlsPostgres {
         let mut hba = String::from("# TYPE DATABASE USER ADDRESS METHOD\n");
         for db in ["all", "replication"] {
             hba.push_str(&format!("local {db} all trust\n"));
-            hba.push_str(&format!("hostssl {db} pw_scram 127.0.0.1/32 scram-sha-256\n"));
+            hba.push_str(&format!(
+                "hostssl {db} pw_scram 127.0.0.1/32 scram-sha-256\n"
+            ));
             hba.push_str(&format!("hostssl {db} all 127.0.0.1/32 trust\n"));
             hba.push_str(&format!("hostssl {db} all ::1/128 trust\n"));
         }
@@ -104,7 +105,10 @@ impl TlsPostgres {
     /// A new database (created over the Unix socket), with `pw_scram` allowed in it.
     pub fn create_database(&self, prefix: &str) -> String {
         let name = super::unique(prefix);
-        self.pg.psql("postgres", &format!("CREATE DATABASE \"{name}\" TEMPLATE template0"));
+        self.pg.psql(
+            "postgres",
+            &format!("CREATE DATABASE \"{name}\" TEMPLATE template0"),
+        );
         self.pg.psql(
             &name,
             &format!("GRANT ALL ON DATABASE \"{name}\" TO pw_scram; GRANT ALL ON SCHEMA public TO pw_scram"),
