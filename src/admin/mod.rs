@@ -63,7 +63,12 @@ pub const OUTBOX_SQL: &str = include_str!("../../sql/outbox.sql");
 pub async fn connect(config: &DatabaseConfig) -> Result<Client, Error> {
     match connect_as(config, &config.pg).await {
         Err(Error::Sql { source, .. })
-            if config.tls.mode == SslMode::Allow && source.as_db_error().is_some() =>
+            if config.tls.mode == SslMode::Allow
+                && source.as_db_error().is_some()
+                && matches!(
+                    config.pg.get_hosts().first(),
+                    Some(tokio_postgres::config::Host::Tcp(_))
+                ) =>
         {
             // libpq's allow: the server refused the plaintext session; try TLS.
             let mut pg = config.pg.clone();

@@ -277,6 +277,30 @@ async fn a_wrong_name_a_wrong_ca_and_plaintext_are_refused_at_once_with_the_fix(
     }
 }
 
+/// libpq's `allow`: plaintext first, and TLS when the server refuses it (this one takes TCP
+/// only over TLS), on both connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_allow_retries_over_tls_when_the_server_refuses_plaintext() {
+    let tls = TlsPostgres::shared();
+    let config =
+        parse_database_url(&tls.url("127.0.0.1", "postgres", "sslmode=allow")).expect("url");
+    let client = pgoutbox::admin::connect(&config)
+        .await
+        .expect("allow, then TLS");
+    let row = client
+        .query_one(
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0));
+    let mut conn = ReplicationConnection::connect(&config, "pgtls-allow")
+        .await
+        .expect("allow, then TLS");
+    conn.identify_system().await.expect("IDENTIFY_SYSTEM");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext() {
     let tls = TlsPostgres::shared();
