@@ -129,7 +129,7 @@ impl PgUrlArgs {
     ///
     /// # Errors
     /// [`crate::config::ValidationError`].
-    pub fn config(&self) -> Result<tokio_postgres::Config, crate::config::ValidationError> {
+    pub fn config(&self) -> Result<crate::config::DatabaseConfig, crate::config::ValidationError> {
         crate::config::parse_database_url(&self.resolve()?)
     }
 }

@@ -312,44 +312,185 @@ pub fn describe_postgres_target(config: &tokio_postgres::Config) -> String {
     )
 }
 
-/// Parses a Postgres connection string (URL or key=value) with tokio-postgres' parser,
-/// refusing TLS modes first.
+/// A parsed `--database-url`: tokio-postgres' settings and the TLS settings
+/// ([`crate::postgres_tls`]) that its parser does not know. Derefs to the former, so code
+/// that needs only host, user or timeouts reads it as a `tokio_postgres::Config`.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    /// Host, port, user, password, dbname, options, timeouts; its `ssl_mode` and
+    /// `channel_binding` are set from `tls` for the SQL connection.
+    pub pg: tokio_postgres::Config,
+    /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `channel_binding` with libpq's meanings.
+    pub tls: crate::postgres_tls::PostgresTls,
+}
+
+impl std::ops::Deref for DatabaseConfig {
+    type Target = tokio_postgres::Config;
+
+    fn deref(&self) -> &tokio_postgres::Config {
+        &self.pg
+    }
+}
+
+/// Parses a Postgres connection string (URL or key=value) as libpq does: the TLS
+/// parameters (`sslmode` with all six of libpq's modes, `sslrootcert`, `sslcert`,
+/// `sslkey`, `channel_binding`) are taken out by [`split_tls_parameters`], the rest is read
+/// by tokio-postgres' parser.
 ///
 /// # Errors
-/// [`ValidationError`] for `--database-url` when it does not parse or asks for TLS.
-pub fn parse_database_url(url: &str) -> Result<tokio_postgres::Config, ValidationError> {
-    // tokio-postgres' parser knows only disable/prefer/require; look for libpq's other
-    // TLS modes in the text itself, so none of them is ever taken for plaintext.
-    if let Some(mode) = ["require", "verify-ca", "verify-full"]
-        .into_iter()
-        .find(|mode| url.contains(&format!("sslmode={mode}")))
-    {
-        return Err(ValidationError {
-            setting: "--database-url",
-            value: redact_url(url),
-            rule: format!("sslmode={mode} asks for TLS, which is not supported yet; pgoutbox never falls back to plaintext"),
-        });
-    }
-    let config: tokio_postgres::Config = url.parse().map_err(|e| ValidationError {
+/// [`ValidationError`] for `--database-url` when it does not parse, when a TLS parameter
+/// has a bad value or an unsupported `ssl*` parameter is given, or the TLS settings do not
+/// fit together ([`crate::postgres_tls::PostgresTls::validate`]).
+pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> {
+    let invalid = |rule: String| ValidationError {
         setting: "--database-url",
         value: redact_url(url),
-        rule: format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname"),
-    })?;
-    if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
-        return Err(ValidationError {
-            setting: "--database-url",
-            value: redact_url(url),
-            rule: "sslmode=require asks for TLS, which is not supported yet".into(),
-        });
-    }
+        rule,
+    };
+    let (rest, tls) = split_tls_parameters(url).map_err(invalid)?;
+    tls.validate().map_err(invalid)?;
+    let mut config: tokio_postgres::Config = rest.parse().map_err(|e| invalid(format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname")))?;
     if config.get_user().is_none() {
-        return Err(ValidationError {
-            setting: "--database-url",
-            value: redact_url(url),
-            rule: "no user given; write postgres://USER@host/dbname".into(),
-        });
+        return Err(invalid(
+            "no user given; write postgres://USER@host/dbname".into(),
+        ));
     }
-    Ok(config)
+    use crate::postgres_tls::{ChannelBindingMode, SslMode};
+    let unix = matches!(
+        config.get_hosts().first(),
+        Some(tokio_postgres::config::Host::Unix(_))
+    );
+    config.ssl_mode(match tls.mode {
+        // libpq ignores sslmode on Unix-domain sockets; `allow` tries plaintext first
+        // (admin::connect retries with TLS).
+        _ if unix => tokio_postgres::config::SslMode::Disable,
+        SslMode::Disable | SslMode::Allow => tokio_postgres::config::SslMode::Disable,
+        SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+            tokio_postgres::config::SslMode::Require
+        }
+    });
+    config.channel_binding(match tls.channel_binding {
+        ChannelBindingMode::Disable => tokio_postgres::config::ChannelBinding::Disable,
+        ChannelBindingMode::Prefer => tokio_postgres::config::ChannelBinding::Prefer,
+        ChannelBindingMode::Require => tokio_postgres::config::ChannelBinding::Require,
+    });
+    Ok(DatabaseConfig { pg: config, tls })
+}
+
+/// Takes the TLS parameters out of a connection string: returns the string without them
+/// (everything else exactly as written) and the TLS settings. A `postgres://` or
+/// `postgresql://` URL has them in its query (percent-decoded); a key=value string as
+/// `key=value` pairs (values optionally single-quoted, with `\'` and `\\` escapes).
+///
+/// # Errors
+/// A message naming the parameter ([`crate::postgres_tls::PostgresTls::take_parameter`]),
+/// or an unterminated quote.
+pub fn split_tls_parameters(
+    text: &str,
+) -> Result<(String, crate::postgres_tls::PostgresTls), String> {
+    let mut tls = crate::postgres_tls::PostgresTls::default();
+    if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+        let Some((base, query)) = text.split_once('?') else {
+            return Ok((text.to_owned(), tls));
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let decode = |s: &str| {
+                percent_encoding::percent_decode_str(s)
+                    .decode_utf8()
+                    .map(|c| c.into_owned())
+                    .map_err(|_| {
+                        format!("the URL parameter {s:?} is not UTF-8 once percent-decoded")
+                    })
+            };
+            if !tls.take_parameter(&decode(key)?, &decode(value)?)? {
+                kept.push(pair);
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok((rest, tls));
+    }
+    let mut rest = String::new();
+    let mut last = 0;
+    for (start, end, key, value) in key_value_pairs(text)? {
+        if tls.take_parameter(&key, &value)? {
+            rest.push_str(&text[last..start]);
+            last = end;
+        }
+    }
+    rest.push_str(&text[last..]);
+    Ok((rest, tls))
+}
+
+/// The `key = value` pairs of a libpq key/value connection string, each with its byte span.
+fn key_value_pairs(text: &str) -> Result<Vec<(usize, usize, String, String)>, String> {
+    let bytes = text.as_bytes();
+    let mut pairs = Vec::new();
+    let mut i = 0;
+    let skip_space = |mut i: usize| {
+        while i < bytes.len() && bytes[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        i
+    };
+    loop {
+        i = skip_space(i);
+        if i >= bytes.len() {
+            return Ok(pairs);
+        }
+        let start = i;
+        while i < bytes.len() && bytes[i] != b'=' && !bytes[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let key = text[start..i].to_owned();
+        i = skip_space(i);
+        if bytes.get(i) != Some(&b'=') {
+            // Not ours to judge: tokio-postgres' parser reports it.
+            return Ok(pairs);
+        }
+        i = skip_space(i + 1);
+        let mut value = Vec::new();
+        if bytes.get(i) == Some(&b'\'') {
+            i += 1;
+            loop {
+                match bytes.get(i) {
+                    None => return Err(format!("the value of {key} has an unterminated quote")),
+                    Some(b'\'') => {
+                        i += 1;
+                        break;
+                    }
+                    Some(b'\\') if i + 1 < bytes.len() => {
+                        value.push(bytes[i + 1]);
+                        i += 2;
+                    }
+                    Some(&b) => {
+                        value.push(b);
+                        i += 1;
+                    }
+                }
+            }
+        } else {
+            while let Some(&b) = bytes.get(i) {
+                if b.is_ascii_whitespace() {
+                    break;
+                }
+                if b == b'\\' && i + 1 < bytes.len() {
+                    value.push(bytes[i + 1]);
+                    i += 2;
+                } else {
+                    value.push(b);
+                    i += 1;
+                }
+            }
+        }
+        pairs.push((start, i, key, String::from_utf8_lossy(&value).into_owned()));
+    }
 }
 
 /// Settings of `pgoutbox run`.
@@ -732,16 +873,125 @@ mod tests {
     }
 
     #[test]
-    fn refuses_tls_modes() {
-        for url in [
-            "postgres://u@h/db?sslmode=require",
-            "postgres://u@h/db?sslmode=verify-full",
-            "host=h user=u sslmode=verify-ca",
+    fn reads_libpq_tls_parameters_from_urls_and_key_value_strings() {
+        use crate::postgres_tls::{ChannelBindingMode, RootCert, SslMode};
+        use tokio_postgres::config::SslMode as Pg;
+        let c = parse_database_url("postgres://u:p%40ss@h:6543/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca%20x.pem&connect_timeout=3&channel_binding=require").unwrap();
+        assert_eq!(c.tls.mode, SslMode::VerifyFull);
+        assert_eq!(
+            c.tls.root_cert,
+            Some(RootCert::File("/etc/ca x.pem".into()))
+        );
+        assert_eq!(c.tls.channel_binding, ChannelBindingMode::Require);
+        assert_eq!(c.get_ssl_mode(), Pg::Require);
+        assert_eq!(c.get_password(), Some(&b"p@ss"[..]));
+        assert_eq!(connect_timeout(&c), std::time::Duration::from_secs(3));
+        let c = parse_database_url(
+            "host=h user=u sslmode = verify-ca sslrootcert='/ca dir/it\\'s.pem' sslcert=/c.pem sslkey=/k.pem dbname=d",
+        )
+        .unwrap();
+        assert_eq!(c.tls.mode, SslMode::VerifyCa);
+        assert_eq!(
+            c.tls.root_cert,
+            Some(RootCert::File("/ca dir/it's.pem".into()))
+        );
+        assert_eq!(c.tls.client_cert, Some(("/c.pem".into(), "/k.pem".into())));
+        assert_eq!(c.get_dbname(), Some("d"));
+        // The default is prefer, as in libpq; allow starts in plaintext.
+        let c = parse_database_url("postgres://u@h/db").unwrap();
+        assert_eq!(
+            (c.tls.mode, c.get_ssl_mode()),
+            (SslMode::Prefer, Pg::Prefer)
+        );
+        let c = parse_database_url("postgres://u@h/db?sslmode=allow").unwrap();
+        assert_eq!(
+            (c.tls.mode, c.get_ssl_mode()),
+            (SslMode::Allow, Pg::Disable)
+        );
+        // A Unix-domain socket never uses TLS (libpq ignores sslmode there).
+        let c = parse_database_url("host=/tmp user=u sslmode=require").unwrap();
+        assert_eq!(c.get_ssl_mode(), Pg::Disable);
+        // require with a root certificate verifies the chain, as libpq does.
+        let c =
+            parse_database_url("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem").unwrap();
+        assert!(c.tls.verifies_chain());
+        assert!(!parse_database_url("postgres://u@h/db?sslmode=require")
+            .unwrap()
+            .tls
+            .verifies_chain());
+        let c =
+            parse_database_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=system").unwrap();
+        assert_eq!(c.tls.root_cert, Some(RootCert::System));
+    }
+
+    #[test]
+    fn refuses_bad_or_unsupported_tls_parameters_naming_them() {
+        for (url, want) in [
+            (
+                "postgres://u:secret@h/db?sslmode=verify_full",
+                "sslmode=verify_full is not an sslmode; use disable, allow, prefer",
+            ),
+            ("host=h user=u sslmode=on", "sslmode=on is not an sslmode"),
+            (
+                "postgres://u@h/db?channel_binding=always",
+                "channel_binding=always is not a channel_binding mode",
+            ),
+            (
+                "postgres://u@h/db?sslmode=verify-full",
+                "needs sslrootcert=",
+            ),
+            (
+                "postgres://u@h/db?sslmode=verify-ca",
+                "does not read libpq's default ~/.postgresql/root.crt",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslrootcert=system",
+                "sslrootcert=system needs sslmode=verify-full",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslcert=/c.pem",
+                "sslcert= needs sslkey=",
+            ),
+            (
+                "postgres://u@h/db?sslmode=require&sslkey=/k.pem",
+                "sslkey= needs sslcert=",
+            ),
+            ("postgres://u@h/db?sslrootcert=", "sslrootcert= is empty"),
+            (
+                "postgres://u@h/db?sslcrl=/crl.pem",
+                "sslcrl= is not supported by pgoutbox",
+            ),
+            (
+                "postgres://u@h/db?sslnegotiation=direct",
+                "sslnegotiation=direct is not supported",
+            ),
+            (
+                "host=h user=u sslfoo=1",
+                "sslfoo= is not a TLS setting pgoutbox knows",
+            ),
+            (
+                "postgres://u@h/db?sslmode=disable&channel_binding=require",
+                "channel_binding=require needs TLS",
+            ),
+            (
+                "host=h user=u sslrootcert='/unterminated",
+                "unterminated quote",
+            ),
         ] {
             let e = parse_database_url(url).unwrap_err();
-            assert!(e.to_string().contains("TLS"), "{e}");
+            assert_eq!(e.setting, "--database-url");
+            let text = e.to_string();
+            assert!(text.contains(want), "{url}: {text}");
+            assert!(!text.contains("secret"), "{text}");
         }
-        assert!(parse_database_url("postgres://u@h/db?sslmode=disable").is_ok());
+        // Other parameters are left exactly as written for tokio-postgres' parser.
+        let (rest, _) =
+            split_tls_parameters("host=h  sslmode=require user='a b' sslrootcert=/x").unwrap();
+        assert_eq!(rest, "host=h   user='a b' ");
+        let (rest, _) =
+            split_tls_parameters("postgres://u@h/db?sslmode=require&application_name=x%20y")
+                .unwrap();
+        assert_eq!(rest, "postgres://u@h/db?application_name=x%20y");
     }
 
     /// A valid configuration with the defaults the CLI gives.

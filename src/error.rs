@@ -42,6 +42,11 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// TLS to PostgreSQL failed on the SQL connection: a certificate that did not verify,
+    /// a server without TLS where the mode needs it, an unusable TLS file, channel binding
+    /// that `channel_binding=require` could not get. Definite or not as its `definite` says.
+    #[error(transparent)]
+    PostgresTls(crate::postgres_tls::TlsError),
     /// The server is not set up the way pgoutbox needs; the message names the setting,
     /// the value and the fix.
     #[error("{0}")]
@@ -146,11 +151,14 @@ impl Error {
             | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,
             Error::PostgresPasswordMissing { .. } => false,
+            // A certificate that does not verify, a server without TLS, an unusable file:
+            // the same attempt fails again (unlike a dropped handshake).
+            Error::PostgresTls(e) => !e.definite,
+            Error::Replication(crate::replication::Error::Tls(e)) => !e.definite,
             Error::Replication(e) => {
                 !matches!(
                     e,
-                    crate::replication::Error::TlsUnsupported { .. }
-                        | crate::replication::Error::PasswordMissing { .. }
+                    crate::replication::Error::PasswordMissing { .. }
                         | crate::replication::Error::UnsupportedAuth { .. }
                         | crate::replication::Error::Settings(_)
                 ) && !e.code().is_some_and(is_definite_sqlstate)

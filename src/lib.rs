@@ -32,10 +32,11 @@ pub mod lsn;
 pub mod metrics;
 pub mod pgoutput;
 pub mod pipeline;
+pub mod postgres_tls;
 pub mod publisher;
 pub mod replication;
-pub mod stream_state;
 pub mod secrets;
+pub mod stream_state;
 pub mod watermark;
 
 pub use error::Error;

@@ -17,6 +17,7 @@ mod lifecycle;
 mod lockdown;
 mod observability;
 mod operations;
+mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;
 mod roles;

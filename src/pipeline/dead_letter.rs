@@ -83,7 +83,7 @@ impl DeadLetterWriter {
     ///
     /// # Errors
     /// [`Error::Sql`] when connecting or setting up the session fails.
-    pub async fn connect(pg: &tokio_postgres::Config) -> Result<Self, Error> {
+    pub async fn connect(pg: &crate::config::DatabaseConfig) -> Result<Self, Error> {
         let client = admin::connect(pg).await?;
         client
             .batch_execute(&format!(

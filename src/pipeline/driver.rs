@@ -332,7 +332,7 @@ struct Connected {
 /// first failure. `memory` carries what the next session needs.
 async fn run_session(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     mut shutdown: watch::Receiver<bool>,
     memory: &mut SessionMemory,
     summary: &mut RunSummary,
@@ -418,7 +418,7 @@ async fn run_session(
 /// dead-letter writer, and starts streaming.
 async fn connect(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     memory: &SessionMemory,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
@@ -610,7 +610,7 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
 /// (forever when `None`). The caller races this against shutdown.
 async fn start_stream(
     config: &RunConfig,
-    pg: &tokio_postgres::Config,
+    pg: &crate::config::DatabaseConfig,
     sql: &tokio_postgres::Client,
     application_name: &str,
     memory: &SessionMemory,

@@ -1,8 +1,10 @@
 //! Opening a `replication=database` session and entering CopyBoth.
 //!
 //! Follows the PostgreSQL docs, "Frontend/Backend Protocol / Message Flow / Start-up" and
-//! "Streaming Replication Protocol": a StartupMessage with `replication=database`, then
-//! authentication (trust, cleartext password, MD5, SCRAM-SHA-256 without channel binding),
+//! "Streaming Replication Protocol": an SSLRequest and the TLS handshake when `sslmode`
+//! asks for it ([`crate::postgres_tls`]), a StartupMessage with `replication=database`, then
+//! authentication (trust, cleartext password, MD5, SCRAM-SHA-256, SCRAM-SHA-256-PLUS with
+//! `tls-server-end-point` channel binding over TLS),
 //! then simple-query commands (`IDENTIFY_SYSTEM`, `SHOW`), then
 //! `START_REPLICATION SLOT s LOGICAL lsn (options)`, which the server answers with a
 //! CopyBothResponse (`W`). postgres-protocol does not parse `W`, so it is handled here.
@@ -10,11 +12,16 @@
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256, SCRAM_SHA_256};
+use postgres_protocol::authentication::sasl::{
+    ChannelBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
+};
 use postgres_protocol::message::{backend, frontend};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
-use tokio_postgres::config::{Host, SslMode};
+use tokio_postgres::config::Host;
+
+use crate::config::DatabaseConfig;
+use crate::postgres_tls::{self, ChannelBindingMode, SslMode};
 
 use crate::lsn::Lsn;
 use crate::replication::error::{Error, ServerError};
@@ -44,6 +51,62 @@ impl Socket for UnixStream {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         UnixStream::poll_read_ready(self, cx)
+    }
+}
+
+impl Socket for tokio_rustls::client::TlsStream<TcpStream> {
+    /// Ready when rustls holds decrypted bytes not yet read (`wants_read` is false then),
+    /// else when the TCP socket is: waiting on the socket alone could sleep on plaintext
+    /// already received.
+    fn poll_read_ready(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let (tcp, session) = self.get_ref();
+        if !session.wants_read() {
+            return std::task::Poll::Ready(Ok(()));
+        }
+        tcp.poll_read_ready(cx)
+    }
+}
+
+/// Which encryption one connection attempt asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encryption {
+    /// No SSLRequest.
+    Off,
+    /// SSLRequest; plaintext when the server answers `N`.
+    Preferred,
+    /// SSLRequest; `N` is an error.
+    Required,
+}
+
+/// Sends an SSLRequest and reads the one-byte answer: `true` for `S` (start the TLS
+/// handshake), `false` for `N`. Exactly one byte is read, so nothing the server might send
+/// before the handshake is taken as part of it (CVE-2021-23222).
+async fn request_ssl(socket: &mut TcpStream) -> Result<bool, Error> {
+    const CTX: &str = "negotiating TLS (SSLRequest)";
+    let mut buf = BytesMut::new();
+    frontend::ssl_request(&mut buf);
+    socket.write_all(&buf).await.map_err(|source| Error::Io {
+        context: CTX,
+        source,
+    })?;
+    let mut answer = [0u8; 1];
+    socket
+        .read_exact(&mut answer)
+        .await
+        .map_err(|source| Error::Io {
+            context: CTX,
+            source,
+        })?;
+    match answer[0] {
+        b'S' => Ok(true),
+        b'N' => Ok(false),
+        other => Err(Error::Protocol {
+            context: CTX,
+            detail: format!("the server answered the SSLRequest with {:?}, not S or N (is this a PostgreSQL server?)", char::from(other)),
+        }),
     }
 }
 
@@ -85,28 +148,29 @@ impl std::fmt::Debug for ReplicationConnection {
 impl ReplicationConnection {
     /// Connects and authenticates with `replication=database`.
     ///
-    /// `config` comes from a `postgres://` URL or a key=value string (tokio-postgres' parser);
-    /// the first host is used; a host starting with `/` is a Unix-socket directory.
-    /// `application_name` shows up in `pg_stat_replication` and the server log. The whole
-    /// handshake, from the TCP connect to the first ReadyForQuery, is bounded by the URL's
-    /// `connect_timeout` ([`crate::config::connect_timeout`], 10 s when unset).
+    /// `config` comes from a `postgres://` URL or a key=value string
+    /// ([`crate::config::parse_database_url`]); the first host is used (TCP to its
+    /// `hostaddr` when one is given, the host name still being the one TLS verifies); a host
+    /// starting with `/` is a Unix-socket directory. TLS follows `sslmode` as libpq does
+    /// ([`crate::postgres_tls`]): an SSLRequest, then the rustls handshake over the same
+    /// socket on `S`; on `N` plaintext only when the mode allows it. `application_name`
+    /// shows up in `pg_stat_replication` and the server log. The whole handshake, from the
+    /// TCP connect to the first ReadyForQuery, is bounded by the URL's `connect_timeout`
+    /// ([`crate::config::connect_timeout`], 10 s when unset).
     ///
     /// # Errors
-    /// [`Error::TlsUnsupported`] when `sslmode=require`; [`Error::ConnectTimeout`] when the
-    /// handshake does not finish in time; [`Error::Io`] when the connect fails;
-    /// [`Error::Server`] when authentication or the startup is refused (for example `42501`
-    /// when the role lacks `REPLICATION`); [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
+    /// [`Error::Tls`] when TLS is refused where the mode needs it, the handshake or the
+    /// certificate fails, or `channel_binding=require` cannot be met;
+    /// [`Error::ConnectTimeout`] when the handshake does not finish in time; [`Error::Io`]
+    /// when the connect fails; [`Error::Server`] when authentication or the startup is
+    /// refused (for example `42501` when the role lacks `REPLICATION`);
+    /// [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
     pub async fn connect(
-        config: &tokio_postgres::Config,
+        config: &DatabaseConfig,
         application_name: &str,
     ) -> Result<ReplicationConnection, Error> {
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err(Error::TlsUnsupported {
-                mode: "require".into(),
-            });
-        }
         let timeout = crate::config::connect_timeout(config);
-        tokio::time::timeout(timeout, Self::handshake(config, application_name))
+        tokio::time::timeout(timeout, Self::negotiate(config, application_name))
             .await
             .map_err(|_| Error::ConnectTimeout {
                 target: crate::config::describe_postgres_target(config),
@@ -114,45 +178,98 @@ impl ReplicationConnection {
             })?
     }
 
-    /// TCP connect, startup message, authentication, up to ReadyForQuery (unbounded: the
-    /// caller bounds it).
-    async fn handshake(
-        config: &tokio_postgres::Config,
+    /// libpq's order of attempts for the mode: `allow` tries plaintext, then TLS when the
+    /// server refused the plaintext session (an ErrorResponse during start-up).
+    async fn negotiate(
+        config: &DatabaseConfig,
         application_name: &str,
     ) -> Result<ReplicationConnection, Error> {
+        match config.tls.mode {
+            SslMode::Disable => Self::handshake(config, application_name, Encryption::Off).await,
+            SslMode::Allow => {
+                match Self::handshake(config, application_name, Encryption::Off).await {
+                    Err(Error::Server { .. }) => {
+                        Self::handshake(config, application_name, Encryption::Required).await
+                    }
+                    other => other,
+                }
+            }
+            SslMode::Prefer => {
+                Self::handshake(config, application_name, Encryption::Preferred).await
+            }
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                Self::handshake(config, application_name, Encryption::Required).await
+            }
+        }
+    }
+
+    /// TCP connect, SSLRequest and TLS as `encryption` says, startup message,
+    /// authentication, up to ReadyForQuery (unbounded: the caller bounds it).
+    async fn handshake(
+        config: &DatabaseConfig,
+        application_name: &str,
+        encryption: Encryption,
+    ) -> Result<ReplicationConnection, Error> {
+        let target = crate::config::describe_postgres_target(config);
         let user = config
             .get_user()
             .ok_or_else(|| Error::Settings("no user in the database URL".into()))?
             .to_owned();
-        let host = config
-            .get_hosts()
-            .first()
-            .cloned()
-            .unwrap_or_else(|| Host::Unix("/var/run/postgresql".into()));
+        let hostaddr = config.get_hostaddrs().first().copied();
+        let host = match (config.get_hosts().first(), hostaddr) {
+            (Some(h), _) => h.clone(),
+            (None, Some(addr)) => Host::Tcp(addr.to_string()),
+            (None, None) => Host::Unix("/var/run/postgresql".into()),
+        };
         let port = config.get_ports().first().copied().unwrap_or(5432);
+        let connecting = |source| Error::Io {
+            context: "connecting",
+            source,
+        };
+        let mut binding = None;
+        let mut encrypted = false;
         let socket: Box<dyn Socket> = match &host {
             Host::Tcp(name) => {
-                let s = TcpStream::connect((name.as_str(), port))
-                    .await
-                    .map_err(|source| Error::Io {
-                        context: "connecting",
-                        source,
-                    })?;
-                s.set_nodelay(true).map_err(|source| Error::Io {
-                    context: "connecting",
-                    source,
-                })?;
-                Box::new(s)
+                let mut s = match hostaddr {
+                    Some(addr) => TcpStream::connect((addr, port)).await,
+                    None => TcpStream::connect((name.as_str(), port)).await,
+                }
+                .map_err(connecting)?;
+                s.set_nodelay(true).map_err(connecting)?;
+                if encryption == Encryption::Off || !request_ssl(&mut s).await? {
+                    if encryption == Encryption::Required {
+                        return Err(Error::Tls(postgres_tls::refused_tls(&config.tls, &target)));
+                    }
+                    Box::new(s)
+                } else {
+                    let rustls = config.tls.client_config(&target).map_err(Error::Tls)?;
+                    let server_name =
+                        postgres_tls::server_name(name, &target).map_err(Error::Tls)?;
+                    let tls = tokio_rustls::TlsConnector::from(rustls)
+                        .connect(server_name, s)
+                        .await
+                        .map_err(|e| {
+                            Error::Tls(postgres_tls::handshake_error(
+                                &e,
+                                &config.tls,
+                                name,
+                                &target,
+                            ))
+                        })?;
+                    binding = tls
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|certs| certs.first())
+                        .and_then(|cert| postgres_tls::tls_server_end_point(cert));
+                    encrypted = true;
+                    Box::new(tls)
+                }
             }
+            // libpq never uses TLS on a Unix-domain socket, whatever sslmode says.
             Host::Unix(dir) => {
                 let path = dir.join(format!(".s.PGSQL.{port}"));
-                let s = UnixStream::connect(path)
-                    .await
-                    .map_err(|source| Error::Io {
-                        context: "connecting",
-                        source,
-                    })?;
-                Box::new(s)
+                Box::new(UnixStream::connect(path).await.map_err(connecting)?)
             }
         };
 
@@ -180,12 +297,26 @@ impl ReplicationConnection {
             },
         )?;
         conn.flush("sending the startup message").await?;
-        conn.authenticate(&user, config.get_password()).await?;
-        Ok(conn)
+        let startup =
+            Startup::new(&user, config.get_password()).with_channel_binding(ChannelBindingState {
+                mode: config.tls.channel_binding,
+                encrypted,
+                end_point: binding,
+                target: target.clone(),
+            });
+        match conn.authenticate(startup).await {
+            Err(Error::Server { context, mut error }) => {
+                if error.hint.is_none() {
+                    error.hint = postgres_tls::hba_hint(&error.message, &config.tls);
+                }
+                Err(Error::Server { context, error })
+            }
+            Err(e) => Err(e),
+            Ok(()) => Ok(conn),
+        }
     }
 
-    async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<(), Error> {
-        let mut startup = Startup::new(user, password);
+    async fn authenticate(&mut self, mut startup: Startup<'_>) -> Result<(), Error> {
         loop {
             let msg = self.read_message(STARTUP_CTX).await?;
             match startup.step(msg, &mut self.write_buf)? {
@@ -470,16 +601,36 @@ pub enum StartupStep {
     Ready,
 }
 
+/// What channel binding the start-up may use: the mode, whether the session is over TLS,
+/// and the server certificate's `tls-server-end-point` data.
+#[derive(Debug, Clone, Default)]
+pub struct ChannelBindingState {
+    /// `channel_binding` from the connection string.
+    pub mode: ChannelBindingMode,
+    /// Whether the session is over TLS.
+    pub encrypted: bool,
+    /// The RFC 5929 hash of the server's certificate ([`postgres_tls::tls_server_end_point`]);
+    /// `None` in plaintext or when the certificate's signature names no single hash.
+    pub end_point: Option<Vec<u8>>,
+    /// `PostgreSQL user@host:port/dbname`, for messages.
+    pub target: String,
+}
+
 /// The client side of start-up and authentication, without I/O: one server message in,
 /// one [`StartupStep`] (and maybe a frontend message appended to a buffer) out.
 ///
-/// Speaks trust, cleartext password, MD5 and SCRAM-SHA-256 without channel binding, and
-/// refuses other methods with [`Error::UnsupportedAuth`]. Follows the PostgreSQL docs,
-/// "Frontend/Backend Protocol / Message Flow / Start-up".
+/// Speaks trust, cleartext password, MD5, SCRAM-SHA-256 and (over TLS)
+/// SCRAM-SHA-256-PLUS with `tls-server-end-point`, and refuses other methods with
+/// [`Error::UnsupportedAuth`]. With `channel_binding=require` anything but a completed
+/// SCRAM-SHA-256-PLUS exchange is an [`Error::Tls`], as in libpq. Follows the PostgreSQL
+/// docs, "Frontend/Backend Protocol / Message Flow / Start-up" and "SASL Authentication".
 pub struct Startup<'a> {
     user: &'a str,
     password: Option<&'a [u8]>,
     scram: Option<ScramSha256>,
+    binding: ChannelBindingState,
+    /// SCRAM-SHA-256-PLUS was chosen.
+    bound: bool,
 }
 
 impl std::fmt::Debug for Startup<'_> {
@@ -488,18 +639,50 @@ impl std::fmt::Debug for Startup<'_> {
             .field("user", &self.user)
             .field("has_password", &self.password.is_some())
             .field("scram_started", &self.scram.is_some())
+            .field("channel_binding", &self.binding.mode)
+            .field("bound", &self.bound)
             .finish()
     }
 }
 
 impl<'a> Startup<'a> {
-    /// A new exchange for role `user`, with the URL's password if it has one.
+    /// A new exchange for role `user`, with the URL's password if it has one, in plaintext
+    /// (no channel binding; see [`Startup::with_channel_binding`]).
     pub fn new(user: &'a str, password: Option<&'a [u8]>) -> Self {
         Startup {
             user,
             password,
             scram: None,
+            binding: ChannelBindingState::default(),
+            bound: false,
         }
+    }
+
+    /// The channel binding this session can offer.
+    pub fn with_channel_binding(mut self, binding: ChannelBindingState) -> Self {
+        self.binding = binding;
+        self
+    }
+
+    /// `channel_binding=require` cannot be met: `offered` says what the server did.
+    fn unbound(&self, offered: &str) -> Error {
+        Error::Tls(postgres_tls::channel_binding_unavailable(
+            &self.binding.target,
+            offered,
+        ))
+    }
+
+    /// Under `channel_binding=require`, refuses an authentication that is not SCRAM-PLUS.
+    fn check_unbound(&self, method: &str) -> Result<(), Error> {
+        if self.binding.mode != ChannelBindingMode::Require || self.bound {
+            return Ok(());
+        }
+        let offered = if self.binding.encrypted {
+            format!("the server authenticated with {method}, which has no channel binding")
+        } else {
+            format!("the session is not over TLS (the server answered the SSLRequest with N, or a Unix-domain socket), and the server authenticated with {method}")
+        };
+        Err(self.unbound(&offered))
     }
 
     /// Handles one server message of the start-up phase, appending any reply to `out`.
@@ -520,12 +703,17 @@ impl<'a> Startup<'a> {
             user: self.user.to_owned(),
         };
         match msg {
-            backend::Message::AuthenticationOk => Ok(StartupStep::Wait),
+            backend::Message::AuthenticationOk => {
+                self.check_unbound("trust (no password)")?;
+                Ok(StartupStep::Wait)
+            }
             backend::Message::AuthenticationCleartextPassword => {
+                self.check_unbound("a cleartext password")?;
                 let pw = self.password.ok_or_else(need_password)?;
                 password_step(pw, out)
             }
             backend::Message::AuthenticationMd5Password(body) => {
+                self.check_unbound("md5")?;
                 let pw = self.password.ok_or_else(need_password)?;
                 let hash = postgres_protocol::authentication::md5_hash(
                     self.user.as_bytes(),
@@ -538,26 +726,51 @@ impl<'a> Startup<'a> {
                 use fallible_iterator::FallibleIterator;
                 let pw = self.password.ok_or_else(need_password)?;
                 let mut mechanisms = body.mechanisms();
-                let mut has_scram = false;
+                let (mut has_scram, mut has_plus) = (false, false);
                 while let Some(m) = mechanisms.next().map_err(|e| Error::Protocol {
                     context: CTX,
                     detail: format!("bad SASL mechanism list: {e}"),
                 })? {
                     has_scram |= m == SCRAM_SHA_256;
+                    has_plus |= m == SCRAM_SHA_256_PLUS;
                 }
-                if !has_scram {
-                    return Err(Error::UnsupportedAuth {
-                        method: "SASL without SCRAM-SHA-256".into(),
-                    });
-                }
-                // Channel binding needs TLS, which we do not speak yet.
-                let s = ScramSha256::new(pw, ChannelBinding::unsupported());
-                frontend::sasl_initial_response(SCRAM_SHA_256, s.message(), out).map_err(
-                    |source| Error::Io {
+                let end_point = match self.binding.mode {
+                    ChannelBindingMode::Disable => None,
+                    _ => self.binding.end_point.clone(),
+                };
+                // RFC 5802 section 6: 'p' when both sides bind; 'y' when we could but the
+                // server did not offer PLUS (it detects a downgrade); 'n' when we cannot.
+                let (mechanism, binding) = match end_point {
+                    Some(data) if has_plus => (
+                        SCRAM_SHA_256_PLUS,
+                        ChannelBinding::tls_server_end_point(data),
+                    ),
+                    _ if self.binding.mode == ChannelBindingMode::Require => {
+                        let offered = if !self.binding.encrypted {
+                            "the session is not over TLS (the server answered the SSLRequest with N, or a Unix-domain socket), so there is nothing to bind to".to_owned()
+                        } else if !has_plus {
+                            "the server did not offer SCRAM-SHA-256-PLUS over TLS".to_owned()
+                        } else {
+                            "the server's certificate is signed with an algorithm that names no hash (Ed25519 or RSASSA-PSS), so tls-server-end-point has no value".to_owned()
+                        };
+                        return Err(self.unbound(&offered));
+                    }
+                    _ if !has_scram => {
+                        return Err(Error::UnsupportedAuth {
+                            method: "SASL without SCRAM-SHA-256".into(),
+                        })
+                    }
+                    Some(_) => (SCRAM_SHA_256, ChannelBinding::unrequested()),
+                    None => (SCRAM_SHA_256, ChannelBinding::unsupported()),
+                };
+                self.bound = mechanism == SCRAM_SHA_256_PLUS;
+                let s = ScramSha256::new(pw, binding);
+                frontend::sasl_initial_response(mechanism, s.message(), out).map_err(|source| {
+                    Error::Io {
                         context: CTX,
                         source,
-                    },
-                )?;
+                    }
+                })?;
                 self.scram = Some(s);
                 Ok(StartupStep::Send { context: CTX })
             }

@@ -131,12 +131,10 @@ pub enum Error {
     /// SCRAM-SHA-256 exchange failed locally (bad server message or signature).
     #[error("scram-sha-256 authentication failed")]
     Scram(#[source] io::Error),
-    /// TLS was requested by `sslmode`; it is not built yet.
-    #[error("sslmode={mode} asks for TLS, which is not supported yet; use a local or tunnelled connection with sslmode=disable or sslmode=prefer")]
-    TlsUnsupported {
-        /// The sslmode value.
-        mode: String,
-    },
+    /// TLS failed or was refused, or `channel_binding=require` could not be met
+    /// ([`crate::postgres_tls`]); definite or not as its `definite` says.
+    #[error(transparent)]
+    Tls(crate::postgres_tls::TlsError),
     /// The connection settings are incomplete (no host, no user, several hosts).
     #[error("invalid replication connection settings: {0}")]
     Settings(String),

@@ -175,9 +175,9 @@ async fn usage_errors_exit_2_and_other_errors_exit_1() {
             "invalid setting --slot (PGOUTBOX_SLOT) = \"Bad-Name\"",
         ),
         (
-            "TLS asked for",
-            pgoutbox(&["status", "--database-url", &format!("{url}?sslmode=require")]),
-            "TLS, which is not supported yet",
+            "bad sslmode",
+            pgoutbox(&["status", "--database-url", &format!("{url}?sslmode=verify_full")]),
+            "sslmode=verify_full is not an sslmode; use disable, allow, prefer (the default), require, verify-ca or verify-full",
         ),
         (
             "bad value in the environment",

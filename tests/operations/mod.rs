@@ -127,7 +127,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
             stderr(&out)
         );
     }
-    // TLS is refused, never downgraded to plaintext.
+    // TLS asked of a server without it: refused, never downgraded to plaintext.
     let tls_db = format!("{url}?sslmode=require");
     let out = pgoutbox(&["run", "--database-url", &tls_db, "--amqp-url", &amqp]);
     assert!(
@@ -137,7 +137,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
         stderr(&out)
     );
     assert!(
-        stderr(&out).contains("TLS, which is not supported yet"),
+        stderr(&out).contains("sslmode=require asks for TLS and the server does not offer it"),
         "{}",
         stderr(&out)
     );

@@ -25,6 +25,7 @@ pub mod amqp;
 pub mod cluster;
 pub mod fake_broker;
 pub mod fixture;
+pub mod pg_tls;
 pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
@@ -46,6 +47,7 @@ pub use amqp::{
     amqp_connect, declare_bound_queue, drain_queue, publish, purge_queue, queue_len, Received,
 };
 pub use fixture::{lsn, Outbox};
+pub use pg_tls::TlsPostgres;
 pub use postgres::Postgres;
 pub use proxy::Proxy;
 pub use rabbit::RabbitMq;

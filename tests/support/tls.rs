@@ -37,7 +37,7 @@ pub struct TlsRabbit {
 static SHARED: OnceLock<TlsRabbit> = OnceLock::new();
 
 /// A CA: its self-signed certificate (PEM) and the issuer that signs with it.
-fn ca(name: &str) -> (String, Issuer<'static, KeyPair>) {
+pub fn ca(name: &str) -> (String, Issuer<'static, KeyPair>) {
     let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     params.distinguished_name.push(DnType::CommonName, name);
@@ -53,7 +53,7 @@ fn ca(name: &str) -> (String, Issuer<'static, KeyPair>) {
 
 /// A leaf certificate for `names` (DNS names or addresses) signed by `issuer`: (cert PEM,
 /// key PEM).
-fn leaf(cn: &str, names: &[&str], issuer: &Issuer<'_, KeyPair>) -> (String, String) {
+pub fn leaf(cn: &str, names: &[&str], issuer: &Issuer<'_, KeyPair>) -> (String, String) {
     let mut params =
         CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<String>>())
             .expect("leaf params");
