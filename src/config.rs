@@ -174,14 +174,17 @@ pub const MESSAGE_PREFIX: &str = "pgoutbox";
 /// Options that select what one invocation acts on (or how it prints) rather than
 /// configure pgoutbox: they read no environment variable.
 pub const FLAGS_WITHOUT_ENV: &[&str] = &[
+    "--accept-gap",
     "--all",
     "--create-roles",
     "--force",
     "--id",
     "--json",
     "--limit",
+    "--lockdown",
     "--older-than",
     "--payload",
+    "--unlock",
 ];
 
 /// The environment variable that also sets a `--flag`: `PGOUTBOX_` and the flag in upper
