@@ -145,18 +145,65 @@ impl std::fmt::Debug for ReplicationConnection {
     }
 }
 
+/// How many hosts the database URL lists (`host=a,b` or `postgres://a,b/db`; `hostaddr`
+/// alone counts too), at least one (the default Unix socket).
+fn host_count(config: &tokio_postgres::Config) -> usize {
+    config
+        .get_hosts()
+        .len()
+        .max(config.get_hostaddrs().len())
+        .max(1)
+}
+
+/// Host `index` of the URL with its `hostaddr` and port, as libpq pairs them: one port
+/// for every host, or one port per host (default 5432); no host is the default Unix socket.
+fn host_at(config: &tokio_postgres::Config, index: usize) -> (Host, Option<std::net::IpAddr>, u16) {
+    let hostaddr = config.get_hostaddrs().get(index).copied();
+    let host = match (config.get_hosts().get(index), hostaddr) {
+        (Some(h), _) => h.clone(),
+        (None, Some(addr)) => Host::Tcp(addr.to_string()),
+        (None, None) => Host::Unix("/var/run/postgresql".into()),
+    };
+    let ports = config.get_ports();
+    let port = match ports.len() {
+        0 => 5432,
+        1 => ports[0],
+        _ => ports.get(index).copied().unwrap_or(5432),
+    };
+    (host, hostaddr, port)
+}
+
+/// `PostgreSQL user@host:port/db` for host `index` of the URL (no password), for errors.
+fn describe_host(config: &tokio_postgres::Config, index: usize) -> String {
+    let (host, _, port) = host_at(config, index);
+    let host = match host {
+        Host::Tcp(h) => h,
+        Host::Unix(p) => p.display().to_string(),
+    };
+    format!(
+        "PostgreSQL {}@{}:{}/{}",
+        config.get_user().unwrap_or("?"),
+        host,
+        port,
+        config.get_dbname().unwrap_or("?")
+    )
+}
+
 impl ReplicationConnection {
     /// Connects and authenticates with `replication=database`.
     ///
     /// `config` comes from a `postgres://` URL or a key=value string
-    /// ([`crate::config::parse_database_url`]); the first host is used (TCP to its
-    /// `hostaddr` when one is given, the host name still being the one TLS verifies); a host
-    /// starting with `/` is a Unix-socket directory. TLS follows `sslmode` as libpq does
+    /// ([`crate::config::parse_database_url`]). Its hosts are tried in order, as libpq does
+    /// (`host=a,b port=5432,5433`, one port for all or one per host; TCP to a host's
+    /// `hostaddr` when one is given, the host name still being the one TLS verifies; a host
+    /// starting with `/` is a Unix-socket directory); with `target_session_attrs=read-write`
+    /// (or `read-only`) a host whose `transaction_read_only` does not match is skipped, so a
+    /// reconnect after a failover finds the new primary. TLS follows `sslmode` as libpq does
     /// ([`crate::postgres_tls`]): an SSLRequest, then the rustls handshake over the same
     /// socket on `S`; on `N` plaintext only when the mode allows it. `application_name`
     /// shows up in `pg_stat_replication` and the server log. The whole handshake, from the
     /// TCP connect to the first ReadyForQuery, is bounded by the URL's `connect_timeout`
-    /// ([`crate::config::connect_timeout`], 10 s when unset).
+    /// ([`crate::config::connect_timeout`], 10 s when unset), per host.
     ///
     /// # Errors
     /// [`Error::Tls`] when TLS is refused where the mode needs it, the handshake or the
@@ -164,41 +211,108 @@ impl ReplicationConnection {
     /// [`Error::ConnectTimeout`] when the handshake does not finish in time; [`Error::Io`]
     /// when the connect fails; [`Error::Server`] when authentication or the startup is
     /// refused (for example `42501` when the role lacks `REPLICATION`);
-    /// [`Error::PasswordMissing`], [`Error::UnsupportedAuth`].
+    /// [`Error::PasswordMissing`], [`Error::UnsupportedAuth`]; [`Error::SessionAttrs`] when
+    /// a host does not match `target_session_attrs`. With several hosts, the last host's
+    /// error (each skipped host is logged at warn).
     pub async fn connect(
         config: &DatabaseConfig,
         application_name: &str,
     ) -> Result<ReplicationConnection, Error> {
         let timeout = crate::config::connect_timeout(config);
-        tokio::time::timeout(timeout, Self::negotiate(config, application_name))
-            .await
-            .map_err(|_| Error::ConnectTimeout {
-                target: crate::config::describe_postgres_target(config),
-                timeout_s: timeout.as_secs(),
-            })?
+        let hosts = host_count(config);
+        let mut last = None;
+        // libpq's multi-host rule: each host in turn (its own connect_timeout), the first
+        // that connects, authenticates and (with target_session_attrs) matches wins.
+        for index in 0..hosts {
+            let attempt = async {
+                let mut conn = Self::negotiate(config, index, application_name).await?;
+                conn.check_session_attrs(config, index).await?;
+                Ok(conn)
+            };
+            let result = tokio::time::timeout(timeout, attempt)
+                .await
+                .map_err(|_| Error::ConnectTimeout {
+                    target: describe_host(config, index),
+                    timeout_s: timeout.as_secs(),
+                })
+                .and_then(|r| r);
+            match result {
+                Ok(conn) => return Ok(conn),
+                // One host only: its error as it is (no list to name).
+                Err(e) if hosts == 1 => return Err(e),
+                Err(e) => {
+                    tracing::warn!(
+                        host = %describe_host(config, index),
+                        error = %crate::error::one_line(&e),
+                        "PostgreSQL host skipped; trying the next one of the database URL"
+                    );
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::Settings("no host in the database URL".into())))
+    }
+
+    /// `target_session_attrs=read-write` / `read-only`: libpq's check of a connected
+    /// session (`SHOW transaction_read_only`, a replication command too).
+    async fn check_session_attrs(
+        &mut self,
+        config: &DatabaseConfig,
+        index: usize,
+    ) -> Result<(), Error> {
+        use tokio_postgres::config::TargetSessionAttrs;
+        let want_read_only = match config.get_target_session_attrs() {
+            TargetSessionAttrs::ReadWrite => false,
+            TargetSessionAttrs::ReadOnly => true,
+            _ => return Ok(()),
+        };
+        let rows = self
+            .simple_query(
+                "SHOW transaction_read_only",
+                "checking target_session_attrs",
+            )
+            .await?;
+        let read_only = rows
+            .first()
+            .and_then(|r| r.first().cloned().flatten())
+            .is_some_and(|v| v == "on");
+        if read_only == want_read_only {
+            return Ok(());
+        }
+        Err(Error::SessionAttrs(format!(
+            "{} is {} (transaction_read_only = {}), but target_session_attrs={} asks for {}; list the primary among the hosts",
+            describe_host(config, index),
+            if read_only { "read-only (a standby?)" } else { "read-write" },
+            if read_only { "on" } else { "off" },
+            if want_read_only { "read-only" } else { "read-write" },
+            if want_read_only { "a read-only server" } else { "the primary" },
+        )))
     }
 
     /// libpq's order of attempts for the mode: `allow` tries plaintext, then TLS when the
     /// server refused the plaintext session (an ErrorResponse during start-up).
     async fn negotiate(
         config: &DatabaseConfig,
+        index: usize,
         application_name: &str,
     ) -> Result<ReplicationConnection, Error> {
         match config.tls.mode {
-            SslMode::Disable => Self::handshake(config, application_name, Encryption::Off).await,
+            SslMode::Disable => {
+                Self::handshake(config, index, application_name, Encryption::Off).await
+            }
             SslMode::Allow => {
-                match Self::handshake(config, application_name, Encryption::Off).await {
+                match Self::handshake(config, index, application_name, Encryption::Off).await {
                     Err(Error::Server { .. }) => {
-                        Self::handshake(config, application_name, Encryption::Required).await
+                        Self::handshake(config, index, application_name, Encryption::Required).await
                     }
                     other => other,
                 }
             }
             SslMode::Prefer => {
-                Self::handshake(config, application_name, Encryption::Preferred).await
+                Self::handshake(config, index, application_name, Encryption::Preferred).await
             }
             SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
-                Self::handshake(config, application_name, Encryption::Required).await
+                Self::handshake(config, index, application_name, Encryption::Required).await
             }
         }
     }
@@ -207,21 +321,16 @@ impl ReplicationConnection {
     /// authentication, up to ReadyForQuery (unbounded: the caller bounds it).
     async fn handshake(
         config: &DatabaseConfig,
+        index: usize,
         application_name: &str,
         encryption: Encryption,
     ) -> Result<ReplicationConnection, Error> {
-        let target = crate::config::describe_postgres_target(config);
+        let target = describe_host(config, index);
         let user = config
             .get_user()
             .ok_or_else(|| Error::Settings("no user in the database URL".into()))?
             .to_owned();
-        let hostaddr = config.get_hostaddrs().first().copied();
-        let host = match (config.get_hosts().first(), hostaddr) {
-            (Some(h), _) => h.clone(),
-            (None, Some(addr)) => Host::Tcp(addr.to_string()),
-            (None, None) => Host::Unix("/var/run/postgresql".into()),
-        };
-        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let (host, hostaddr, port) = host_at(config, index);
         let connecting = |source| Error::Io {
             context: "connecting",
             source,

@@ -135,7 +135,11 @@ pub enum Error {
     /// ([`crate::postgres_tls`]); definite or not as its `definite` says.
     #[error(transparent)]
     Tls(crate::postgres_tls::TlsError),
-    /// The connection settings are incomplete (no host, no user, several hosts).
+    /// A host of the database URL does not match `target_session_attrs` (a standby when
+    /// `read-write` was asked for). Retryable: after a failover a standby is promoted.
+    #[error("{0}")]
+    SessionAttrs(String),
+    /// The connection settings are incomplete (no host, no user).
     #[error("invalid replication connection settings: {0}")]
     Settings(String),
     /// A frame was malformed or unexpected.

@@ -382,3 +382,82 @@ async fn setup_failover_says_plainly_when_the_server_cannot() {
         assert!(stderr.contains("ALTER_REPLICATION_SLOT"), "{stderr}");
     }
 }
+
+/// `host=a,b` with `target_session_attrs=read-write` (the multi-host URL that follows a
+/// failover): the first host is a read-only server with the same database and role, the
+/// second the primary. Both connections, the SQL one and our replication client, must skip
+/// the first and stream from the second; the skip is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_host_url_skips_a_read_only_server_on_both_connections() {
+    let pg = Postgres::shared();
+    let rabbit = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rabbit.url(), "multihost").await;
+    // A server that answers, authenticates the streamer role and has the database, but
+    // is read-only, as a hot standby is.
+    let ro = Postgres::start_private(&[]);
+    ro.psql("postgres", &format!("CREATE DATABASE {}", ob.db));
+    ro.psql(
+        "postgres",
+        "CREATE ROLE pgoutbox_streamer LOGIN REPLICATION",
+    );
+    ro.psql(
+        "postgres",
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+    );
+    ro.psql("postgres", "SELECT pg_reload_conf()");
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(10)), || async {
+            ro.psql(&ob.db, "SHOW transaction_read_only").trim() == "on"
+        })
+        .await,
+        "the private server became read-only"
+    );
+    let url = format!(
+        "postgres://pgoutbox_streamer@127.0.0.1:{},127.0.0.1:{}/{}?target_session_attrs=read-write",
+        ro.port(),
+        pg.port(),
+        ob.db
+    );
+    let streamer = ob.run_with_url(&url, &[]);
+    assert!(
+        streamer
+            .wait_for_log(": streaming slot=", scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let n = 20;
+    for i in 0..n {
+        ob.sql(&format!(
+            "SELECT outbox.emit('multihost', '{{\"i\": {i}}}', '{{}}', 'mh-{i}')"
+        ));
+    }
+    let got = ob.drain(n, scaled(Duration::from_secs(30))).await;
+    let ids: HashSet<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let want: HashSet<String> = (0..n).map(|i| format!("mh-{i}")).collect();
+    assert_eq!(ids, want, "{}", streamer.log());
+    // The replication connection skipped the read-only host, naming it and why.
+    let log = streamer.log();
+    assert!(
+        log.contains("PostgreSQL host skipped")
+            && log.contains(&format!("127.0.0.1:{}", ro.port()))
+            && log.contains("transaction_read_only = on"),
+        "{log}"
+    );
+    // The walsender is on the primary; the read-only server has none.
+    let walsenders = ob.sql(&format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active",
+        ob.slot
+    ));
+    assert_eq!(walsenders.trim(), "1", "{log}");
+    assert_eq!(
+        ro.psql("postgres", "SELECT count(*) FROM pg_stat_replication")
+            .trim(),
+        "0"
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
