@@ -573,7 +573,16 @@ pub struct FlushGate {
     wanted: watch::Sender<Lsn>,
     recorded: watch::Receiver<Lsn>,
     last_wanted: Lsn,
+    /// The end LSN of the last commit seen in the stream ([`FlushGate::note_commit`]).
+    last_commit_end: Lsn,
 }
+
+/// How far the flush LSN may move over WAL without outbox commits (primary keepalives
+/// only) before it is recorded: 1 MiB, so the record's own write (a few hundred bytes of
+/// WAL, which the next keepalive reports) never asks for another write. Without it an idle
+/// streamer would write its record every [`RECORD_INTERVAL`] for ever; with it the slot of
+/// an idle outbox lags at most this much (well inside the 16 MB idle-lag bound).
+pub const IDLE_RECORD_SLACK: u64 = 1 << 20;
 
 impl FlushGate {
     /// The flush LSN that may be reported now (committed to `outbox.stream_state`).
@@ -588,8 +597,30 @@ impl FlushGate {
         self.recorded.has_changed().is_err()
     }
 
-    /// Asks the recorder to record `flush` (no-op unless it moved forward).
+    /// Notes a commit seen in the stream (its end LSN): a flush position past it is
+    /// recorded promptly.
+    pub fn note_commit(&mut self, end_lsn: Lsn) {
+        self.last_commit_end = self.last_commit_end.max(end_lsn);
+    }
+
+    /// Asks the recorder to record `flush` when it moved forward over a commit, or by at
+    /// least [`IDLE_RECORD_SLACK`] bytes of WAL without one (no-op otherwise: what is
+    /// reported then stays at the record, which is always allowed).
     pub fn want(&mut self, flush: Lsn) {
+        if flush <= self.last_wanted {
+            return;
+        }
+        // The watermark passes a commit beyond last_wanted only by confirming it, or by a
+        // keepalive once nothing is in flight (then every commit seen is at or below it):
+        // either way a commit lies in (last_wanted, flush] when one was seen past last_wanted.
+        let over_commit = self.last_commit_end > self.last_wanted;
+        let far = flush.0.saturating_sub(self.last_wanted.0) >= IDLE_RECORD_SLACK;
+        if over_commit || far {
+            self.force(flush);
+        }
+    }
+
+    fn force(&mut self, flush: Lsn) {
         if flush > self.last_wanted {
             self.last_wanted = flush;
             self.wanted.send_replace(flush);
@@ -602,7 +633,7 @@ impl FlushGate {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn settle(&mut self, flush: Lsn, timeout: Duration) -> Lsn {
-        self.want(flush);
+        self.force(flush);
         let _ = tokio::time::timeout(timeout, self.recorded.wait_for(|r| *r >= flush)).await;
         self.allowed()
     }
@@ -651,6 +682,7 @@ pub fn recorder(client: Client, slot: String, start: Lsn) -> (FlushGate, Recorde
             wanted: wanted_tx,
             recorded: recorded_rx,
             last_wanted: start,
+            last_commit_end: Lsn::ZERO,
         },
         handle,
     )

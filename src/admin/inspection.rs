@@ -205,16 +205,19 @@ pub async fn preflight(
     Ok(status)
 }
 
-/// The privileges `run` needs on what it writes, `outbox.dead_letter`, as the `GRANT`s that
-/// give them (also in `sql/roles.example.sql`): `USAGE` on the schema, `INSERT` on the table
-/// plus `SELECT` (the insert's `ON CONFLICT (lsn)` check reads it), and `USAGE` on its id
-/// sequence (`bigserial` calls `nextval`). `role` is quoted as an identifier.
-pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 3] {
+/// The privileges `run` needs on what it writes, `outbox.dead_letter` and
+/// `outbox.stream_state`, as the `GRANT`s that give them (also in `sql/roles.example.sql`):
+/// `USAGE` on the schema, `INSERT` on the table plus `SELECT` (the insert's
+/// `ON CONFLICT (lsn)` check reads it), `USAGE` on its id sequence (`bigserial` calls
+/// `nextval`), and `SELECT, INSERT, UPDATE` on the slot's history. `role` is quoted as an
+/// identifier.
+pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 4] {
     let role = format!("\"{}\"", role.replace('"', "\"\""));
     [
         format!("GRANT USAGE ON SCHEMA outbox TO {role};"),
         format!("GRANT SELECT, INSERT ON outbox.dead_letter TO {role};"),
         format!("GRANT USAGE ON SEQUENCE {sequence} TO {role};"),
+        format!("GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO {role};"),
     ]
 }
 
@@ -235,7 +238,10 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
                     CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'INSERT') END,
                     CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'SELECT') END,
                     quote_ident(n.nspname) || '.' || quote_ident(sq.relname),
-                    CASE WHEN sq.oid IS NOT NULL THEN has_sequence_privilege(sq.oid, 'USAGE') END
+                    CASE WHEN sq.oid IS NOT NULL THEN has_sequence_privilege(sq.oid, 'USAGE') END,
+                    CASE WHEN st.oid IS NOT NULL THEN
+                        has_table_privilege(st.oid, 'SELECT') AND has_table_privilege(st.oid, 'INSERT')
+                        AND has_table_privilege(st.oid, 'UPDATE') END
              FROM (SELECT 1) AS one
              LEFT JOIN pg_namespace n ON n.nspname = 'outbox'
              LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = 'dead_letter'
@@ -243,7 +249,8 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
              LEFT JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = c.oid
                   AND d.refobjsubid = a.attnum AND d.classid = 'pg_class'::regclass
                   AND d.deptype IN ('a', 'i')
-             LEFT JOIN pg_class sq ON sq.oid = d.objid AND sq.relkind = 'S'",
+             LEFT JOIN pg_class sq ON sq.oid = d.objid AND sq.relkind = 'S'
+             LEFT JOIN pg_class st ON st.relnamespace = n.oid AND st.relname = 'stream_state'",
             &[],
         )
         .await
@@ -273,11 +280,16 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
     if !seq_usage {
         missing.push(format!("USAGE on sequence {sequence}"));
     }
+    // No stream_state yet (a database set up by an older version): `run` creates it or
+    // says to run setup (crate::stream_state::ensure_table).
+    if row.get::<_, Option<bool>>(7) == Some(false) {
+        missing.push("SELECT, INSERT, UPDATE on outbox.stream_state".to_owned());
+    }
     if missing.is_empty() {
         return Ok(());
     }
     Err(Error::Precondition(format!(
-        "role {role:?} cannot write dead letters (missing {}); as the owner of schema outbox or a superuser, run: {} (sql/roles.example.sql grants the same)",
+        "role {role:?} cannot write dead letters or the slot's history (missing {}); as the owner of schema outbox or a superuser, run: {} (sql/roles.example.sql grants the same)",
         missing.join(", "),
         dead_letter_grants(&role, &sequence).join(" ")
     )))

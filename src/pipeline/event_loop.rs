@@ -700,6 +700,7 @@ impl Core {
                 self.wm
                     .commit(c.end_lsn)
                     .map_err(|e| Error::Stream(e.to_string()))?;
+                self.gate.note_commit(c.end_lsn);
                 self.received = self.received.max(c.end_lsn);
                 self.current_txn = None;
             }

@@ -145,6 +145,7 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
         format!("GRANT USAGE ON SCHEMA outbox TO \"{role}\";"),
         format!("GRANT SELECT, INSERT ON outbox.dead_letter TO \"{role}\";"),
         format!("GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO \"{role}\";"),
+        format!("GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO \"{role}\";"),
     ] {
         assert!(log.contains(&grant), "missing {grant:?} in: {log}");
     }
@@ -154,7 +155,7 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
     );
 
     let grants = example_streamer_grants(&role);
-    assert_eq!(grants.lines().count(), 3, "{grants}");
+    assert_eq!(grants.lines().count(), 4, "{grants}");
     ob.sql(&grants);
     let run = ob.run_with_url(&role_url, &["--exchange", &exchange]);
     let written = support::wait_until(scaled(Duration::from_secs(30)), || async {

@@ -209,10 +209,13 @@ async fn idle_lag_comes_down_after_a_busy_period_without_new_wal() {
         async move { lag < 16 * 1024 * 1024 }
     })
     .await;
+    // The only WAL allowed after the unblock is pgoutbox's own: the outbox.stream_state
+    // record written before the flush LSN may move (a few hundred bytes per write).
     let wal_end = wal_lsn();
-    assert_eq!(
-        wal_end, quiet,
-        "WAL was written after the unblock, so this run cannot tell"
+    assert!(
+        wal_end - quiet < 64 * 1024,
+        "WAL was written after the unblock ({} bytes), so this run cannot tell",
+        wal_end - quiet
     );
     assert!(
         ok,

@@ -198,7 +198,8 @@ async fn streams_with_scram_md5_cleartext_and_a_unix_socket() {
     ob.sql(
         "GRANT USAGE ON SCHEMA outbox TO pw_scram, pw_md5, pw_cleartext; \
          GRANT SELECT, INSERT ON outbox.dead_letter TO pw_scram, pw_md5, pw_cleartext; \
-         GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pw_scram, pw_md5, pw_cleartext;",
+         GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pw_scram, pw_md5, pw_cleartext; \
+         GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO pw_scram, pw_md5, pw_cleartext;",
     );
     let socket = format!(
         "host={} port={} user=postgres dbname={}",
@@ -331,8 +332,19 @@ async fn second_instance_waits_names_the_holder_and_never_publishes() {
         standby.log()
     );
     ob.sql("SELECT outbox.emit('t', '{}', '{}', 'two')");
+    let two_end = lsn(&ob.sql("SELECT pg_current_wal_insert_lsn()"));
     let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
     assert_eq!(got.len(), 1, "only the holder publishes");
+    // 'two' acknowledged to Postgres before the kill (the flush LSN waits for its
+    // outbox.stream_state record), so the standby must not send it again.
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.confirmed_flush() >= two_end
+        })
+        .await,
+        "the holder acknowledged 'two': {}",
+        first.log()
+    );
     first.kill9();
     ob.sql("SELECT outbox.emit('t', '{}', '{}', 'three')");
     let got = ob.drain(1, scaled(Duration::from_secs(60))).await;
