@@ -36,6 +36,8 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::pem::{read_certificates, read_reason};
+
 use tokio_rustls::rustls::client::danger::{
     HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier,
 };
@@ -629,28 +631,6 @@ impl ServerCertVerifier for Unverified {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-/// Every `CERTIFICATE` block of a PEM file; an error text when there is none.
-fn read_certificates(file: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let bytes = std::fs::read(file).map_err(|e| read_reason(&e))?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("it is not valid PEM ({e})"))?;
-    if certs.is_empty() {
-        return Err("it holds no PEM CERTIFICATE block".into());
-    }
-    Ok(certs)
-}
-
-fn read_reason(e: &io::Error) -> String {
-    match e.kind() {
-        io::ErrorKind::NotFound => "no such file".into(),
-        io::ErrorKind::PermissionDenied => {
-            "permission denied (the file must be readable by the user pgoutbox runs as)".into()
-        }
-        _ => format!("cannot read it ({e})"),
     }
 }
 

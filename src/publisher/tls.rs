@@ -22,10 +22,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio_rustls::rustls::pki_types::{PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{self, CertificateError, ClientConfig, RootCertStore};
 
 use super::Error;
+use crate::pem::{read_certificates, read_reason};
 
 /// The TLS query parameters (RabbitMQ's names), in the order they are documented.
 pub const TLS_QUERY_KEYS: [&str; 5] = [
@@ -247,28 +248,6 @@ impl TlsOptions {
             TrustAnchors::System => "the system trust store".into(),
             TrustAnchors::CaFile(p) => format!("cacertfile={}", p.display()),
         }
-    }
-}
-
-/// Every `CERTIFICATE` block of a PEM file; an error text when there is none.
-fn read_certificates(file: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let bytes = std::fs::read(file).map_err(|e| read_reason(&e))?;
-    let certs = CertificateDer::pem_slice_iter(&bytes)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("it is not valid PEM ({e})"))?;
-    if certs.is_empty() {
-        return Err("it holds no PEM CERTIFICATE block".into());
-    }
-    Ok(certs)
-}
-
-fn read_reason(e: &io::Error) -> String {
-    match e.kind() {
-        io::ErrorKind::NotFound => "no such file".into(),
-        io::ErrorKind::PermissionDenied => {
-            "permission denied (the file must be readable by the user pgoutbox runs as)".into()
-        }
-        _ => format!("cannot read it ({e})"),
     }
 }
 
