@@ -597,6 +597,18 @@ impl FlushGate {
         self.recorded.has_changed().is_err()
     }
 
+    /// Resolves when the recorder committed a higher position than the last one this
+    /// resolved for; never resolves once the recorder ended ([`FlushGate::recorder_gone`]
+    /// reports that).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (`watch::Receiver::changed`).
+    pub async fn recorded_changed(&mut self) {
+        if self.recorded.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Notes a commit seen in the stream (its end LSN): a flush position past it is
     /// recorded promptly.
     pub fn note_commit(&mut self, end_lsn: Lsn) {

@@ -222,7 +222,9 @@ impl Core {
                     return self.finish(d).await;
                 }
             }
-            let status_deadline = self.feedback.deadline(&self.wm);
+            let status_deadline = self
+                .feedback
+                .deadline(self.wm.flushed().min(self.gate.allowed()));
             let drain_deadline = match &drain {
                 Some(Drain::Shutdown(t)) | Some(Drain::PostgresLost(t, _)) => Some(*t),
                 None => None,
@@ -264,6 +266,10 @@ impl Core {
                     }
                     self.warn_if_stalled(room);
                 }
+                // PRIORITY 3b: the recorder committed a new flush LSN: wake, so the status
+                // deadline above is computed again (an update then goes out promptly).
+                // Cancel safety: FlushGate::recorded_changed is cancel safe.
+                _ = self.gate.recorded_changed(), if pg_alive => {}
                 // PRIORITY 4: the broker connection: writes what publish() encoded, reads
                 // confirms and returns. Cancel safety: Publisher::recv_outcomes is cancel safe.
                 batch = publisher.recv_outcomes() => {

@@ -56,9 +56,13 @@ impl Feedback {
         self.last_sent_flush
     }
 
-    /// When the next update is due: soon after the flush LSN moved, else periodically.
-    pub fn deadline(&self, wm: &AckWatermark) -> Instant {
-        if wm.flushed() > self.last_sent_flush {
+    /// When the next update is due: soon after the position that may be reported
+    /// (`reportable`: the watermark, capped by what `outbox.stream_state` holds) moved past
+    /// the last one sent, else periodically. A watermark ahead of its record waits for the
+    /// record ([`crate::stream_state::FlushGate::recorded_changed`] wakes the loop), not for
+    /// a timer: an update sent before the record lands would repeat the old position.
+    pub fn deadline(&self, reportable: Lsn) -> Instant {
+        if reportable > self.last_sent_flush {
             self.next_periodic
                 .min(self.last_status_at + STATUS_COALESCE)
         } else {
@@ -190,6 +194,28 @@ impl StallWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: the update after a confirm waited for a timer, not for the record, so
+    /// it could repeat the old position and the new one went out up to 200 ms later (a
+    /// drill that froze the streamer right after the consumer got a message saw it again).
+    #[test]
+    fn an_update_is_due_soon_only_once_the_reportable_position_moved() {
+        let mut f = Feedback::new(Duration::from_secs(10));
+        f.sent(&StandbyStatusUpdate {
+            write: Lsn(100),
+            flush: Lsn(100),
+            apply: Lsn(100),
+            client_time_us: 0,
+            kind: StatusUpdateKind::Periodic,
+        });
+        // The watermark moved to 150 but the record still says 100: nothing new to report.
+        assert_eq!(
+            f.deadline(Lsn(100)),
+            f.last_status_at + Duration::from_secs(10)
+        );
+        // The record caught up: due within the coalescing interval.
+        assert_eq!(f.deadline(Lsn(150)), f.last_status_at + STATUS_COALESCE);
+    }
 
     #[test]
     fn a_stall_is_warned_about_once_a_minute_and_ends_with_a_settle() {

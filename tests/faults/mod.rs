@@ -288,8 +288,19 @@ async fn drill_crash_after_commit_before_the_streamer_saw_it() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "drill_commit").await;
     let streamer = ob.run(&[]);
-    ob.sql("SELECT outbox.emit('d', '{}', '{}', 'seen')");
+    let seen_lsn = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'seen')"));
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
+    // 'seen' acknowledged to Postgres (its commit, past the message's LSN) before the
+    // freeze: the restart must send exactly the unseen one, not 'seen' again. The
+    // consumer's receipt alone does not say the status update went out.
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.confirmed_flush() > seen_lsn
+        })
+        .await,
+        "the slot never acknowledged 'seen':\n{}",
+        streamer.log()
+    );
     // Freeze the streamer so it cannot read, commit, then kill it.
     streamer.signal("STOP");
     ob.sql("SELECT outbox.emit('d', '{}', '{}', 'committed-unseen')");
