@@ -19,9 +19,9 @@ def write(target, name, data):
         f.write(data)
 
 
-def envelope(id_, topic, content_type, headers, payload, version=1):
-    h = json.dumps({"id": id_, "topic": topic, "content_type": content_type,
-                    "headers": headers}, separators=(",", ":")).encode()
+def envelope(id_, topic, content_type, headers, payload, version=1, **extra):
+    h = json.dumps(dict({"id": id_, "topic": topic, "content_type": content_type,
+                         "headers": headers}, **extra), separators=(",", ":")).encode()
     return bytes([version]) + struct.pack(">I", len(h)) + h + payload
 
 
@@ -97,6 +97,16 @@ ev = {
     "unicode": envelope("\u00e9v\u00e9nement", "caf\u00e9", "text/plain; charset=utf-8",
                         {"cl\u00e9": "\u65e5\u672c"}, "\u00e9".encode()),
     "version_2": envelope("id", "t", "", {}, b"", version=2),
+    "version_3": envelope("id-3", "orders.created", "application/json", {"k": "v"}, b"{}",
+                          version=3, emitted_by="app", exchange="orders",
+                          correlation_id="corr-1", causation_id="cause-0",
+                          aggregate_type="order", aggregate_id="42", aggregate_version=7,
+                          tenant="acme", expiration_ms=60000, priority=5,
+                          traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                          tracestate="rojo=00f067aa0ba902b7,congo=t61rcWkgMzE",
+                          idempotency_key="create-42"),
+    "version_3_bad_priority": envelope("id", "t", "c", {}, b"", version=3, priority=10),
+    "version_4": envelope("id", "t", "c", {}, b"", version=4),
     "truncated_header": ENV[:20],
 }
 for k, v in ev.items():

@@ -13,12 +13,12 @@
 --      (found in pg_proc by name: PostgreSQL 17 adds one with a flush argument) and GRANTs
 --      it to pgoutbox_emitter;
 --   3. makes outbox.emit / outbox.emit_bytes SECURITY DEFINER functions owned by
---      pgoutbox_emitter (their search_path is pinned to pg_catalog, pg_temp and every name
+--      pgoutbox_emitter (with INSERT on outbox.idempotency, for idempotent emits) (their search_path is pinned to pg_catalog, pg_temp and every name
 --      in them is schema-qualified, see sql/outbox.sql);
 --   4. writes the lockdown marker, a transactional logical message with prefix
 --      pgoutbox.lockdown and content 'on', and records its LSN in outbox.lockdown: the
 --      streamer dead-letters, as forged, every pgoutbox message after that LSN that is not a
---      version-2 envelope with an emitter (see src/lockdown.rs for why this is exact).
+--      version-2 (or later) envelope with an emitter (see src/lockdown.rs for why this is exact).
 --
 -- Idempotent: running it again changes nothing and keeps the first record (and LSN).
 -- Superusers can still call pg_logical_emit_message, and write any envelope at all.
@@ -41,7 +41,9 @@ BEGIN
     COMMENT ON ROLE pgoutbox_emitter IS
         'pgoutbox: NOLOGIN owner of outbox.emit / outbox.emit_bytes under setup --lockdown; the only non-superuser role that may call pg_logical_emit_message';
     GRANT USAGE ON SCHEMA outbox TO pgoutbox_emitter;
-    GRANT EXECUTE ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) TO pgoutbox_emitter;
+    GRANT EXECUTE ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text) TO pgoutbox_emitter;
+    -- Idempotent emits (idempotency_key) insert into outbox.idempotency as the owner.
+    GRANT INSERT ON outbox.idempotency TO pgoutbox_emitter;
 
     FOR f IN
         SELECT p.oid::regprocedure
@@ -58,12 +60,12 @@ BEGIN
         VALUES (
             pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'on'),
             (SELECT pg_catalog.pg_get_userbyid(proowner) FROM pg_catalog.pg_proc
-              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text)'::regprocedure));
+              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text)'::regprocedure));
     END IF;
 
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) OWNER TO pgoutbox_emitter;
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
-    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) OWNER TO pgoutbox_emitter;
-    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) OWNER TO pgoutbox_emitter;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) SECURITY DEFINER;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) OWNER TO pgoutbox_emitter;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) SECURITY DEFINER;
 END;
 $lockdown$;

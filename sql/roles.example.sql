@@ -13,5 +13,7 @@ GRANT SELECT, INSERT ON outbox.dead_letter TO pgoutbox;
 GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pgoutbox;
 -- It records the slot's history (the last flush LSN it reported) in outbox.stream_state.
 GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO pgoutbox;
--- Producers: after `pgoutbox setup` created schema outbox.
+-- Producers: after `pgoutbox setup` created schema outbox (INSERT on outbox.idempotency
+-- only for emits with an idempotency_key).
 GRANT USAGE ON SCHEMA outbox TO app_writer;
+GRANT INSERT ON outbox.idempotency TO app_writer;

@@ -25,8 +25,9 @@
 --
 -- The producer role (default pgoutbox_producer): NOLOGIN, a group role to grant to the
 -- application's own login roles (GRANT pgoutbox_producer TO app_user): USAGE on schema
--- outbox and EXECUTE on outbox.emit and outbox.emit_bytes, nothing more (it cannot read
--- outbox.dead_letter). EXECUTE on functions is also PUBLIC's by default in PostgreSQL;
+-- outbox, EXECUTE on outbox.emit and outbox.emit_bytes and INSERT on outbox.idempotency
+-- (for emits with an idempotency_key), nothing more (it cannot read outbox.dead_letter or
+-- the idempotency keys). EXECUTE on functions is also PUBLIC's by default in PostgreSQL;
 -- `pgoutbox setup --lockdown` is what takes the direct path (pg_logical_emit_message) away.
 --
 -- Creating a role with REPLICATION needs a superuser (PostgreSQL 15).
@@ -66,8 +67,9 @@ BEGIN
     EXECUTE format('GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO %I', streamer);
 
     EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', producer);
-    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit(text, jsonb, jsonb, text) TO %I', producer);
-    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) TO %I', producer);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) TO %I', producer);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) TO %I', producer);
+    EXECUTE format('GRANT INSERT ON outbox.idempotency TO %I', producer);
 
     RETURN array_to_string(created, ',');
 END

@@ -6,6 +6,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod config;
+mod contract;
 mod deploy_files;
 mod end_to_end;
 mod errors;

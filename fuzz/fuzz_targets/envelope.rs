@@ -3,7 +3,8 @@
 //!
 //! Invariants beyond "never panics": a decoded envelope passes `validate`, its payload is
 //! the tail of the input, every short string fits an AMQP short string, every header key
-//! survives the mapping to a field table, and `encode` then `decode` gives it back.
+//! survives the mapping to a field table, and `encode` then `decode` gives it back
+//! (metadata of version 3 included).
 #![no_main]
 
 use bytes::Bytes;
@@ -42,4 +43,8 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(again.content_type, env.content_type);
     assert_eq!(again.payload, env.payload);
     assert!(again.headers.keys().eq(env.headers.keys()));
+    assert_eq!(again.version, env.version);
+    assert_eq!(again.emitted_by, env.emitted_by);
+    assert_eq!(again.exchange, env.exchange);
+    assert_eq!(again.meta, env.meta, "version-3 metadata survives encode");
 });

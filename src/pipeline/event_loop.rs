@@ -741,12 +741,15 @@ impl Core {
                     };
                     return self.dead_letter_unpublished(m.lsn, None, m.content, reason, error);
                 };
-                // Under lockdown, only a version-2 envelope with an emitter came through
-                // the current helpers; anything else is forged, decodable or not.
+                // Under lockdown, only a version-2 (or later) envelope with an emitter came
+                // through the helpers; anything else is forged, decodable or not. An
+                // unknown newer version is unsupported_envelope either way (below): it may
+                // come from newer helpers, and it is never published.
                 let mut checked = None;
                 if locked {
                     match envelope::decode(m.content.clone()) {
                         Ok(env) if env.emitted_by.is_some() => checked = Some(env),
+                        Err(envelope::EnvelopeError::UnsupportedVersion { .. }) => {}
                         other => {
                             let what = match other {
                                 Ok(_) => "an envelope without an emitter (version 1, or version 2 without emitted_by)".to_owned(),
@@ -783,6 +786,17 @@ impl Core {
                 };
                 let env = match decoded {
                     Ok(env) => env,
+                    // Written by a newer outbox.emit: never published, dead-lettered (and
+                    // requeued once a pgoutbox that reads it runs).
+                    Err(e @ envelope::EnvelopeError::UnsupportedVersion { .. }) => {
+                        return self.dead_letter_unpublished(
+                            m.lsn,
+                            Some(commit_lsn),
+                            m.content,
+                            "unsupported_envelope",
+                            e.to_string(),
+                        );
+                    }
                     Err(reason) => {
                         let error = format!("undecodable outbox message (poison): {reason}");
                         return self.dead_letter_unpublished(

@@ -59,6 +59,23 @@ pub const HEADER_COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
 /// superuser); without lockdown any role may write any emitter, so it is left out.
 pub const HEADER_EMITTED_BY: &str = "x-pgoutbox-emitted-by";
 
+/// Header with the envelope's `causation_id` (text), when the producer gave one.
+pub const HEADER_CAUSATION_ID: &str = "x-pgoutbox-causation-id";
+/// Header with the envelope's `aggregate_type` (text), when given.
+pub const HEADER_AGGREGATE_TYPE: &str = "x-pgoutbox-aggregate-type";
+/// Header with the envelope's `aggregate_id` (text), when given.
+pub const HEADER_AGGREGATE_ID: &str = "x-pgoutbox-aggregate-id";
+/// Header with the envelope's `aggregate_version` (a long-long integer), when given.
+pub const HEADER_AGGREGATE_VERSION: &str = "x-pgoutbox-aggregate-version";
+/// Header with the envelope's `tenant` (text), when given.
+pub const HEADER_TENANT: &str = "x-pgoutbox-tenant";
+/// Header with the envelope's `idempotency_key` (text), when given.
+pub const HEADER_IDEMPOTENCY_KEY: &str = "x-pgoutbox-idempotency-key";
+/// The W3C Trace Context header (section 3.2), the envelope's `traceparent` unchanged.
+pub const HEADER_TRACEPARENT: &str = "traceparent";
+/// The W3C Trace Context header (section 3.3), the envelope's `tracestate` unchanged.
+pub const HEADER_TRACESTATE: &str = "tracestate";
+
 /// What a run did, returned on a clean shutdown.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunSummary {
