@@ -58,11 +58,11 @@ BEGIN
         VALUES (
             pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'on'),
             (SELECT pg_catalog.pg_get_userbyid(proowner) FROM pg_catalog.pg_proc
-              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text)'::regprocedure));
+              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text, text)'::regprocedure));
     END IF;
 
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) OWNER TO pgoutbox_emitter;
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) OWNER TO pgoutbox_emitter;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) SECURITY DEFINER;
     ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) OWNER TO pgoutbox_emitter;
     ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
 END;

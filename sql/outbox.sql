@@ -159,27 +159,49 @@ $fn$;
 COMMENT ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) IS
     'Internal to pgoutbox: validates the arguments and returns the version-2 envelope bytes (0x02, u32 big-endian header length, UTF-8 JSON header with emitted_by = session_user, raw payload); a NULL message_id becomes a random UUID. Raises SQLSTATE 22023 on invalid arguments. Does not write to WAL.';
 
+-- emit gained aggregate_id (a stand-in for the metadata arguments of envelope version 3):
+-- the 4-argument version would make emit(topic, payload) ambiguous, so it goes. Its
+-- owner and SECURITY DEFINER under lockdown are restored at the end of this file.
+DROP FUNCTION IF EXISTS outbox.emit(text, jsonb, jsonb, text);
+
 CREATE OR REPLACE FUNCTION outbox.emit(
     topic text,
     payload jsonb,
     headers jsonb DEFAULT '{}',
-    message_id text DEFAULT NULL
+    message_id text DEFAULT NULL,
+    aggregate_id text DEFAULT NULL
 ) RETURNS pg_lsn
 LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
+DECLARE
+    env bytea;
+    n   integer;
+    hdr bytea;
 BEGIN
-    RETURN pg_catalog.pg_logical_emit_message(
-        true,
-        'pgoutbox',
-        outbox._envelope(topic, convert_to(payload::text, 'UTF8'), 'application/json',
-                         headers, message_id));
+    IF aggregate_id = '' THEN
+        RAISE EXCEPTION 'outbox: argument aggregate_id must not be empty'
+            USING ERRCODE = '22023',
+                  HINT = 'Pass the aggregate''s id (it becomes the CloudEvents subject), or NULL for none.';
+    END IF;
+    env := outbox._envelope(topic, convert_to(payload::text, 'UTF8'), 'application/json',
+                            headers, message_id);
+    IF aggregate_id IS NOT NULL THEN
+        -- Add "aggregate_id" to the JSON header: same framing, new header length.
+        n := (get_byte(env, 1) << 24) | (get_byte(env, 2) << 16) | (get_byte(env, 3) << 8)
+             | get_byte(env, 4);
+        hdr := convert_to((convert_from(substring(env FROM 6 FOR n), 'UTF8')::jsonb
+                           || jsonb_build_object('aggregate_id', aggregate_id))::text, 'UTF8');
+        env := substring(env FROM 1 FOR 1) || int4send(octet_length(hdr)) || hdr
+               || substring(env FROM 6 + n);
+    END IF;
+    RETURN pg_catalog.pg_logical_emit_message(true, 'pgoutbox', env);
 END;
 $fn$;
 
-COMMENT ON FUNCTION outbox.emit(text, jsonb, jsonb, text) IS
-    'pgoutbox: publishes payload (JSON, content type application/json) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
+COMMENT ON FUNCTION outbox.emit(text, jsonb, jsonb, text, text) IS
+    'pgoutbox: publishes payload (JSON, content type application/json) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. aggregate_id: the id of the aggregate the event is about (the CloudEvents subject), NULL for none. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
 
 CREATE OR REPLACE FUNCTION outbox.emit_bytes(
     topic text,
@@ -256,7 +278,9 @@ GRANT SELECT ON outbox.lockdown TO PUBLIC;
 DO $lockdown$
 BEGIN
     IF EXISTS (SELECT 1 FROM outbox.lockdown) THEN
-        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
+        -- emit may have been dropped and created again above (see there).
+        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) OWNER TO pgoutbox_emitter;
+        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) SECURITY DEFINER;
         ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
     END IF;
 END;

@@ -83,6 +83,41 @@ pub struct Envelope {
     /// version-1 envelope, or a version-2 one without the field (which the helpers never
     /// write; under `setup --lockdown` such a message is dead-lettered as `forged`).
     pub emitted_by: Option<String>,
+    /// What the producer said about the event (the optional metadata of the event
+    /// contract). Only [`Metadata::aggregate_id`] is decoded so far (see [`decode`]).
+    pub meta: Metadata,
+}
+
+/// The optional event metadata a producer may give `outbox.emit` (the shared event
+/// contract of issue 9; each field `None` when not given).
+///
+/// Stand-in: only `aggregate_id` is decoded today (from the header key `"aggregate_id"`,
+/// which `outbox.emit(..., aggregate_id => ...)` writes when not NULL); envelope version 3
+/// carries the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Metadata {
+    /// The id of the request or conversation the event belongs to (AMQP `correlation-id`).
+    pub correlation_id: Option<String>,
+    /// The id of the message that caused this event.
+    pub causation_id: Option<String>,
+    /// The kind of aggregate the event is about (e.g. `order`).
+    pub aggregate_type: Option<String>,
+    /// The id of the aggregate the event is about (e.g. `42`); the CloudEvents `subject`.
+    pub aggregate_id: Option<String>,
+    /// The aggregate's version after the event (orders the events of one aggregate).
+    pub aggregate_version: Option<i64>,
+    /// The tenant the event belongs to.
+    pub tenant: Option<String>,
+    /// Time to live in the broker, milliseconds (AMQP `expiration`).
+    pub expiration_ms: Option<u64>,
+    /// AMQP priority, 0 to 9.
+    pub priority: Option<u8>,
+    /// The producer's W3C `traceparent`.
+    pub traceparent: Option<String>,
+    /// The producer's W3C `tracestate`.
+    pub tracestate: Option<String>,
+    /// The key under which at most one event is emitted (`outbox.idempotency`).
+    pub idempotency_key: Option<String>,
 }
 
 /// Why envelope bytes could not be decoded, or an [`Envelope`] breaks the rules.
@@ -207,8 +242,9 @@ pub enum EnvelopeError {
 /// Decodes the content of a logical decoding message with prefix [`PREFIX`].
 ///
 /// Accepts envelope versions 1 and 2 (layout in the module docs and `docs/envelope.md`).
-/// Header keys other than `id`, `topic`, `content_type`, `headers` and (version 2 only)
-/// `emitted_by` are ignored, and JSON key order does not matter. A version-2 header without
+/// Header keys other than `id`, `topic`, `content_type`, `headers`, (version 2 only)
+/// `emitted_by` and (any version, a stand-in until envelope version 3) `aggregate_id` are
+/// ignored; an `aggregate_id` that is not a string is an error, and JSON key order does not matter. A version-2 header without
 /// `emitted_by` decodes with [`Envelope::emitted_by`] `None`; one whose `emitted_by` is not a
 /// string of 1 to 255 bytes is an error. The payload is a zero-copy slice of `content`.
 ///
@@ -293,6 +329,19 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
     } else {
         None
     };
+    let meta = Metadata {
+        aggregate_id: match header.remove("aggregate_id") {
+            None => None,
+            Some(Value::String(s)) => Some(s),
+            Some(other) => {
+                return Err(EnvelopeError::FieldNotString {
+                    field: "aggregate_id",
+                    found: json_type(&other),
+                })
+            }
+        },
+        ..Metadata::default()
+    };
     let env = Envelope {
         message_id,
         topic,
@@ -300,6 +349,7 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         headers,
         payload: content.slice(header_end..),
         emitted_by,
+        meta,
     };
     env.validate()?;
     Ok(env)
@@ -323,6 +373,9 @@ pub fn encode(env: &Envelope) -> Vec<u8> {
         "content_type": env.content_type,
         "headers": env.headers,
     });
+    if let Some(id) = &env.meta.aggregate_id {
+        header["aggregate_id"] = Value::String(id.clone());
+    }
     let version = match &env.emitted_by {
         Some(who) => {
             header["emitted_by"] = Value::String(who.clone());
@@ -471,6 +524,7 @@ mod tests {
             headers,
             payload: Bytes::from_static(b"{\"a\": 1}"),
             emitted_by: None,
+            meta: Metadata::default(),
         }
     }
 
@@ -583,6 +637,28 @@ mod tests {
         assert_eq!(bytes[0], VERSION_2);
         assert_eq!(decode(Bytes::from(bytes)).unwrap(), env);
         assert_eq!(encode(&sample())[0], VERSION_1);
+    }
+
+    #[test]
+    fn aggregate_id_stand_in() {
+        let header = |extra: &str| {
+            with_header(
+                &format!(r#"{{"id":"i","topic":"t","content_type":"c","headers":{{}}{extra}}}"#),
+                b"p",
+            )
+        };
+        assert_eq!(decode(header("")).unwrap().meta, Metadata::default());
+        let env = decode(header(r#","aggregate_id":"order-42""#)).unwrap();
+        assert_eq!(env.meta.aggregate_id.as_deref(), Some("order-42"));
+        assert!(matches!(
+            decode(header(r#","aggregate_id":42"#)),
+            Err(EnvelopeError::FieldNotString {
+                field: "aggregate_id",
+                found: "number"
+            })
+        ));
+        // encode writes it back.
+        assert_eq!(decode(Bytes::from(encode(&env))).unwrap(), env);
     }
 
     #[test]

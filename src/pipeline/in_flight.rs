@@ -65,7 +65,9 @@ impl InFlight {
     /// [`PublishProperties::Minimal`]: persistent, message id and the producer's headers
     /// only (none when it set none); returns are matched by the message id. In both, the
     /// emitter header when the message was checked under lockdown
-    /// ([`InFlight::emitter_checked`]): only then can it be trusted.
+    /// ([`InFlight::emitter_checked`]): only then can it be trusted. With `cloudevents`
+    /// (`run --cloudevents`), also the CloudEvent's attributes and content type
+    /// ([`crate::cloudevents::BinaryMode::apply`]), on top of either shape.
     ///
     /// # Errors
     /// A text naming what does not fit AMQP (a topic, message id or content type over 255
@@ -75,7 +77,9 @@ impl InFlight {
         seq: Seq,
         env: Envelope,
         shape: PublishProperties,
+        cloudevents: Option<&crate::cloudevents::Binding>,
     ) -> Result<OutboundMessage<Seq>, String> {
+        let cloudevents = cloudevents.map(|ce| ce.binary_mode(&env, self.commit_time_us));
         let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
         let message_id = ShortString::try_new(env.message_id).map_err(|e| e.to_string())?;
         let (properties, match_key) = match shape {
@@ -111,6 +115,10 @@ impl InFlight {
                 }
                 (properties, MatchKey::MessageId(message_id))
             }
+        };
+        let properties = match cloudevents {
+            Some(event) => event.apply(properties),
+            None => properties,
         };
         Ok(OutboundMessage {
             tag: seq,
