@@ -671,6 +671,70 @@ mod tests {
     use clap::Parser;
 
     #[test]
+    fn cloudevents_settings() {
+        let config = |url: &str, extra: &[&str]| {
+            let mut args = vec![
+                "pgoutbox",
+                "run",
+                "--database-url",
+                url,
+                "--amqp-url",
+                "amqp://h",
+                "--slot",
+                "s_1",
+            ];
+            args.extend(extra);
+            match Cli::try_parse_from(args).unwrap().command {
+                Command::Run(args) => args.into_config(),
+                _ => unreachable!(),
+            }
+        };
+        use crate::cloudevents::{Binding, Prefix};
+        assert_eq!(config("postgres://u@h/db", &[]).unwrap().cloudevents, None);
+        assert_eq!(
+            config("postgres://u@h/db", &["--cloudevents"])
+                .unwrap()
+                .cloudevents,
+            Some(Binding {
+                source: "pgoutbox:///db/s_1".into(),
+                prefix: Prefix::Underscore
+            })
+        );
+        // No database name: libpq's default, the user name.
+        let b = config(
+            "host=h user=app",
+            &["--cloudevents", "--cloudevents-prefix", "cloudEvents:"],
+        )
+        .unwrap()
+        .cloudevents
+        .unwrap();
+        assert_eq!(
+            (b.source.as_str(), b.prefix),
+            ("pgoutbox:///app/s_1", Prefix::Colon)
+        );
+        let b = config(
+            "postgres://u@h/db",
+            &["--cloudevents", "--cloudevents-source", "/orders"],
+        )
+        .unwrap()
+        .cloudevents
+        .unwrap();
+        assert_eq!(b.source, "/orders");
+        let e = config("postgres://u@h/db", &["--cloudevents-source", "/orders"]).unwrap_err();
+        assert_eq!(
+            (e.setting, e.value.as_str()),
+            ("--cloudevents-source", "/orders")
+        );
+        assert!(e.rule.contains("only with --cloudevents"), "{e}");
+        assert!(
+            Cli::try_parse_from(["pgoutbox", "run", "--cloudevents-prefix", "cloudEvents"])
+                .unwrap_err()
+                .to_string()
+                .contains("is not a CloudEvents AMQP property prefix")
+        );
+    }
+
+    #[test]
     fn metrics_are_served_on_loopback_by_default_and_can_be_turned_off() {
         let run = |extra: &[&str]| {
             let mut args = vec![
