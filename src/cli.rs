@@ -434,6 +434,23 @@ pub struct RunArgs {
     /// recorded in outbox.stream_state. A one-off decision: no variable, no file key.
     #[arg(long)]
     pub accept_gap: bool,
+    /// Publish every message as a CloudEvent, in the binary content mode of the CloudEvents
+    /// AMQP binding: the attributes specversion (1.0), id (message_id), source, type
+    /// (topic), time (commit time, RFC 3339) and subject (the aggregate id, when given) as
+    /// headers named with --cloudevents-prefix; datacontenttype as the content-type
+    /// property; the body is the payload. Our x-pgoutbox-* headers stay.
+    #[arg(long, env = "PGOUTBOX_CLOUDEVENTS")]
+    pub cloudevents: bool,
+    /// The CloudEvents source of every event (with --cloudevents): a URI-reference of at most
+    /// 255 bytes. Default: pgoutbox:///DATABASE/SLOT (no host, so that it stays the same
+    /// across failovers and the addresses of a multi-host URL).
+    #[arg(long, env = "PGOUTBOX_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
+    /// The CloudEvents header prefix (with --cloudevents): cloudEvents_ (default: the
+    /// current binding text, usable by JMS clients) or cloudEvents: (the released 1.0.2
+    /// text). No other value.
+    #[arg(long, env = "PGOUTBOX_CLOUDEVENTS_PREFIX", value_parser = parse_cloudevents_prefix)]
+    pub cloudevents_prefix: Option<crate::cloudevents::Prefix>,
     /// The flags whose value came on the command line (argv, visible in the process list)
     /// and carries a password; filled by [`crate::config_file::parse_cli`], warned about by
     /// `run`.
@@ -444,6 +461,11 @@ pub struct RunArgs {
 /// A parsed `--http-addr` (`None`: off).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpAddr(pub Option<std::net::SocketAddr>);
+
+fn parse_cloudevents_prefix(text: &str) -> Result<crate::cloudevents::Prefix, String> {
+    text.parse()
+        .map_err(|e: crate::cloudevents::PrefixError| e.to_string())
+}
 
 fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
     crate::config::parse_http_addr(text)
@@ -461,6 +483,7 @@ impl RunArgs {
     /// given twice, an unreadable file, a TLS flag that conflicts with the URL.
     pub fn into_config(self) -> Result<RunConfig, crate::config::ValidationError> {
         let database_url = self.db.url.resolve()?;
+        let cloudevents = self.cloudevents_binding(&database_url)?;
         // One URL, a comma-separated list, or the flag repeated (one per node), or a file
         // holding any of these; the password file and the TLS files apply to every node.
         let raw: Vec<String> = if self.amqp_url.is_empty() || self.amqp_url_file.is_some() {
@@ -502,6 +525,7 @@ impl RunArgs {
             format!("{host}-{}", std::process::id())
         });
         Ok(RunConfig {
+            cloudevents,
             database_url,
             amqp_urls,
             amqp_url_order: match self.amqp_url_order {
@@ -536,6 +560,47 @@ impl RunArgs {
             stall_after: Duration::from_secs(self.stall_after_s),
             accept_gap: self.accept_gap,
         })
+    }
+
+    /// The CloudEvents settings: `None` without `--cloudevents`; the source defaults to
+    /// [`crate::cloudevents::default_source`] of the database (libpq's default: the user
+    /// name) and the slot. Validated later, with the rest.
+    fn cloudevents_binding(
+        &self,
+        database_url: &str,
+    ) -> Result<Option<crate::cloudevents::Binding>, crate::config::ValidationError> {
+        if !self.cloudevents {
+            let stray = [
+                ("--cloudevents-source", self.cloudevents_source.clone()),
+                (
+                    "--cloudevents-prefix",
+                    self.cloudevents_prefix.map(|p| p.to_string()),
+                ),
+            ];
+            return match stray.into_iter().find_map(|(s, v)| Some((s, v?))) {
+                Some((setting, value)) => Err(crate::config::ValidationError {
+                    setting,
+                    value,
+                    rule: "is used only with --cloudevents: add --cloudevents \
+                           (PGOUTBOX_CLOUDEVENTS=true, or cloudevents = true in the config file) \
+                           or remove this setting"
+                        .into(),
+                }),
+                None => Ok(None),
+            };
+        }
+        let source = match &self.cloudevents_source {
+            Some(source) => source.clone(),
+            None => {
+                let db = crate::config::parse_database_url(database_url)?;
+                let name = db.pg.get_dbname().or(db.pg.get_user()).unwrap_or_default();
+                crate::cloudevents::default_source(name, &self.db.slot)
+            }
+        };
+        Ok(Some(crate::cloudevents::Binding {
+            source,
+            prefix: self.cloudevents_prefix.unwrap_or_default(),
+        }))
     }
 }
 
@@ -604,6 +669,70 @@ pub struct TeardownArgs {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn cloudevents_settings() {
+        let config = |url: &str, extra: &[&str]| {
+            let mut args = vec![
+                "pgoutbox",
+                "run",
+                "--database-url",
+                url,
+                "--amqp-url",
+                "amqp://h",
+                "--slot",
+                "s_1",
+            ];
+            args.extend(extra);
+            match Cli::try_parse_from(args).unwrap().command {
+                Command::Run(args) => args.into_config(),
+                _ => unreachable!(),
+            }
+        };
+        use crate::cloudevents::{Binding, Prefix};
+        assert_eq!(config("postgres://u@h/db", &[]).unwrap().cloudevents, None);
+        assert_eq!(
+            config("postgres://u@h/db", &["--cloudevents"])
+                .unwrap()
+                .cloudevents,
+            Some(Binding {
+                source: "pgoutbox:///db/s_1".into(),
+                prefix: Prefix::Underscore
+            })
+        );
+        // No database name: libpq's default, the user name.
+        let b = config(
+            "host=h user=app",
+            &["--cloudevents", "--cloudevents-prefix", "cloudEvents:"],
+        )
+        .unwrap()
+        .cloudevents
+        .unwrap();
+        assert_eq!(
+            (b.source.as_str(), b.prefix),
+            ("pgoutbox:///app/s_1", Prefix::Colon)
+        );
+        let b = config(
+            "postgres://u@h/db",
+            &["--cloudevents", "--cloudevents-source", "/orders"],
+        )
+        .unwrap()
+        .cloudevents
+        .unwrap();
+        assert_eq!(b.source, "/orders");
+        let e = config("postgres://u@h/db", &["--cloudevents-source", "/orders"]).unwrap_err();
+        assert_eq!(
+            (e.setting, e.value.as_str()),
+            ("--cloudevents-source", "/orders")
+        );
+        assert!(e.rule.contains("only with --cloudevents"), "{e}");
+        assert!(
+            Cli::try_parse_from(["pgoutbox", "run", "--cloudevents-prefix", "cloudEvents"])
+                .unwrap_err()
+                .to_string()
+                .contains("is not a CloudEvents AMQP property prefix")
+        );
+    }
 
     #[test]
     fn metrics_are_served_on_loopback_by_default_and_can_be_turned_off() {

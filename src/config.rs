@@ -559,6 +559,9 @@ pub struct RunConfig {
     /// Start even when the slot's history has a gap (`--accept-gap`; see
     /// [`crate::stream_state`]): the gap is logged and recorded in `outbox.stream_state`.
     pub accept_gap: bool,
+    /// Publish in the CloudEvents AMQP binding's binary content mode (`--cloudevents`), with
+    /// this source and prefix; `None`: plain messages.
+    pub cloudevents: Option<crate::cloudevents::Binding>,
 }
 
 impl std::fmt::Debug for RunConfig {
@@ -593,6 +596,7 @@ impl std::fmt::Debug for RunConfig {
             .field("http_addr", &self.http_addr)
             .field("stall_after", &self.stall_after)
             .field("accept_gap", &self.accept_gap)
+            .field("cloudevents", &self.cloudevents)
             .finish()
     }
 }
@@ -696,6 +700,16 @@ impl RunConfig {
             MAX_STALL_AFTER.as_secs(),
             "seconds",
         )?;
+        if let Some(binding) = &self.cloudevents {
+            binding.validate().map_err(|rule| ValidationError {
+                setting: "--cloudevents-source",
+                value: binding.source.clone(),
+                rule: format!(
+                    "{rule} (when not given, it is {}:///DATABASE/SLOT)",
+                    crate::cloudevents::DEFAULT_SOURCE_SCHEME
+                ),
+            })?;
+        }
         Ok(())
     }
 }
@@ -998,6 +1012,27 @@ mod tests {
     }
 
     /// A valid configuration with the defaults the CLI gives.
+    #[test]
+    fn cloudevents_source_is_validated() {
+        let with = |source: &str| RunConfig {
+            cloudevents: Some(crate::cloudevents::Binding {
+                source: source.into(),
+                prefix: crate::cloudevents::Prefix::Colon,
+            }),
+            ..base()
+        };
+        assert_eq!(with("pgoutbox:///db/pgoutbox").validate(), Ok(()));
+        let e = with("my source").validate().unwrap_err();
+        assert_eq!(e.setting, "--cloudevents-source");
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "invalid setting --cloudevents-source (PGOUTBOX_CLOUDEVENTS_SOURCE) = \"my source\": not a URI-reference"
+            ) && text.contains("pgoutbox:///DATABASE/SLOT"),
+            "{text}"
+        );
+    }
+
     fn base() -> RunConfig {
         let config = RunConfig {
             database_url: "postgres://u@h/db".into(),
@@ -1023,6 +1058,7 @@ mod tests {
             http_addr: None,
             stall_after: DEFAULT_STALL_AFTER,
             accept_gap: false,
+            cloudevents: None,
         };
         config.validate().unwrap();
         config

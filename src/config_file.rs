@@ -80,6 +80,12 @@ pub struct FileSettings {
     pub stall_after_s: Option<u64>,
     /// `--postgres-loss-drain-ms` (milliseconds).
     pub postgres_loss_drain_ms: Option<u64>,
+    /// `--cloudevents`.
+    pub cloudevents: Option<bool>,
+    /// `--cloudevents-source`.
+    pub cloudevents_source: Option<String>,
+    /// `--cloudevents-prefix` (`cloudEvents_` or `cloudEvents:`).
+    pub cloudevents_prefix: Option<crate::cloudevents::Prefix>,
 }
 
 /// A string, or an array of strings (`amqp_url = ["amqp://a", "amqp://b"]`).
@@ -174,6 +180,12 @@ const KEYS: &[(&str, &str)] = &[
         "postgres_loss_drain_ms",
         "a whole number of milliseconds, 0 to 600000",
     ),
+    ("cloudevents", "true or false"),
+    (
+        "cloudevents_source",
+        "a string, a URI-reference of at most 255 bytes",
+    ),
+    ("cloudevents_prefix", "\"cloudEvents_\" or \"cloudEvents:\""),
 ];
 
 /// A config file that cannot be used. Displays as one line naming the file, the key (when
@@ -419,6 +431,9 @@ fn merge(
                 publish_properties => args.publish_properties, same;
                 stall_after_s => args.stall_after_s, same;
                 postgres_loss_drain_ms => args.postgres_loss_drain_ms, same;
+                cloudevents => args.cloudevents, same;
+                cloudevents_source => args.cloudevents_source, Some;
+                cloudevents_prefix => args.cloudevents_prefix, Some;
             }
             if let Some(text) = file.http_addr {
                 if !given("http_addr") {

@@ -23,6 +23,7 @@
 pub mod admin;
 pub mod check;
 pub mod cli;
+pub mod cloudevents;
 pub mod config;
 pub mod config_file;
 pub mod envelope;

@@ -4,6 +4,7 @@ mod support;
 
 mod chaos;
 mod cli;
+mod cloudevents;
 mod cluster;
 mod config;
 mod contract;

@@ -380,7 +380,12 @@ impl Core {
             None => m.envelope().map_err(|e| Error::Stream(e.to_string()))?,
         };
         let message = m
-            .to_outbound(seq, env, self.config.publish_properties)
+            .to_outbound(
+                seq,
+                env,
+                self.config.publish_properties,
+                self.config.cloudevents.as_ref(),
+            )
             .map_err(Error::Stream)?;
         match publisher.publish(message) {
             Ok(()) => {

@@ -70,6 +70,8 @@ impl InFlight {
     /// headers only (none when it set none); returns are matched by the message id. In
     /// both, the emitter header when the message was checked under lockdown
     /// ([`InFlight::emitter_checked`]): only then can it be trusted.
+    /// With `cloudevents` (`run --cloudevents`), also the CloudEvent's attributes and
+    /// content type ([`crate::cloudevents::BinaryMode::apply`]), on top of either shape.
     ///
     /// Event metadata (envelope version 3), in both shapes, each only when the producer
     /// gave it (it asked for it, and `expiration` and `priority` change what the broker
@@ -90,7 +92,9 @@ impl InFlight {
         seq: Seq,
         env: Envelope,
         shape: PublishProperties,
+        cloudevents: Option<&crate::cloudevents::Binding>,
     ) -> Result<OutboundMessage<Seq>, String> {
+        let cloudevents = cloudevents.map(|ce| ce.binary_mode(&env, self.commit_time_us));
         let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
         let message_id = ShortString::try_new(env.message_id).map_err(|e| e.to_string())?;
         let (properties, match_key) = match shape {
@@ -135,6 +139,10 @@ impl InFlight {
                     MatchKey::MessageId(message_id),
                 )
             }
+        };
+        let properties = match cloudevents {
+            Some(event) => event.apply(properties),
+            None => properties,
         };
         Ok(OutboundMessage {
             tag: seq,
@@ -333,7 +341,7 @@ mod tests {
     fn metadata_maps_to_amqp_properties_and_headers_in_both_shapes() {
         for shape in [PublishProperties::Full, PublishProperties::Minimal] {
             let out = record(1)
-                .to_outbound(0, v3_envelope(full_meta()), shape)
+                .to_outbound(0, v3_envelope(full_meta()), shape, None)
                 .unwrap();
             let p = &out.properties;
             assert_eq!(
@@ -372,13 +380,13 @@ mod tests {
         let mut env = v3_envelope(Metadata::default());
         env.headers.clear();
         let out = record(1)
-            .to_outbound(0, env.clone(), PublishProperties::Minimal)
+            .to_outbound(0, env.clone(), PublishProperties::Minimal, None)
             .unwrap();
         let p = &out.properties;
         assert!(p.headers().is_none(), "{:?}", p.headers());
         assert!(p.correlation_id().is_none() && p.expiration().is_none() && p.priority().is_none());
         let out = record(1)
-            .to_outbound(0, env, PublishProperties::Full)
+            .to_outbound(0, env, PublishProperties::Full, None)
             .unwrap();
         let keys: Vec<String> = out
             .properties
