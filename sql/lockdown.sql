@@ -41,7 +41,7 @@ BEGIN
     COMMENT ON ROLE pgoutbox_emitter IS
         'pgoutbox: NOLOGIN owner of outbox.emit / outbox.emit_bytes under setup --lockdown; the only non-superuser role that may call pg_logical_emit_message';
     GRANT USAGE ON SCHEMA outbox TO pgoutbox_emitter;
-    GRANT EXECUTE ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) TO pgoutbox_emitter;
+    GRANT EXECUTE ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text) TO pgoutbox_emitter;
 
     FOR f IN
         SELECT p.oid::regprocedure
@@ -58,12 +58,12 @@ BEGIN
         VALUES (
             pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'on'),
             (SELECT pg_catalog.pg_get_userbyid(proowner) FROM pg_catalog.pg_proc
-              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text)'::regprocedure));
+              WHERE oid = 'outbox.emit(text, jsonb, jsonb, text, text)'::regprocedure));
     END IF;
 
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) OWNER TO pgoutbox_emitter;
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
-    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) OWNER TO pgoutbox_emitter;
-    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) OWNER TO pgoutbox_emitter;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) SECURITY DEFINER;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) OWNER TO pgoutbox_emitter;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) SECURITY DEFINER;
 END;
 $lockdown$;

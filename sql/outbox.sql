@@ -26,6 +26,8 @@
 --                 most 255 bytes (AMQP message-id property)
 --   payload       not NULL (the JSON value null, 'null'::jsonb, is a valid payload)
 --   content_type  not NULL, not empty, at most 255 bytes (AMQP content-type property)
+--   exchange      NULL (the streamer's --exchange) or 1 to 255 bytes (an AMQP exchange
+--                 name), written as the header key "exchange" only when given
 --   headers       not NULL, a JSON object; every key at most 255 bytes (AMQP field-table
 --                 key), not starting with "x-pgoutbox-" (any case; reserved for headers
 --                 pgoutbox adds), not "CC" or "BCC" (any case; RabbitMQ sender-selected
@@ -48,6 +50,12 @@
 
 CREATE SCHEMA IF NOT EXISTS outbox;
 
+-- The helpers before the exchange argument had one parameter less: drop those signatures,
+-- or every call that relies on the defaults would be ambiguous between the two.
+DROP FUNCTION IF EXISTS outbox.emit(text, jsonb, jsonb, text);
+DROP FUNCTION IF EXISTS outbox.emit_bytes(text, bytea, text, jsonb, text);
+DROP FUNCTION IF EXISTS outbox._envelope(text, bytea, text, jsonb, text);
+
 COMMENT ON SCHEMA outbox IS
     'pgoutbox producer API: outbox.emit / outbox.emit_bytes write transactional logical decoding messages (prefix pgoutbox) that pgoutbox publishes to RabbitMQ.';
 
@@ -59,7 +67,8 @@ CREATE OR REPLACE FUNCTION outbox._envelope(
     payload bytea,
     content_type text,
     headers jsonb,
-    message_id text
+    message_id text,
+    exchange text DEFAULT NULL
 ) RETURNS bytea
 LANGUAGE plpgsql
 VOLATILE
@@ -141,14 +150,24 @@ BEGIN
         END IF;
     END LOOP;
 
+    -- exchange: NULL publishes to the streamer's --exchange; a name is written into the
+    -- header (the streamer checks it against --allowed-exchanges).
+    IF exchange = '' OR octet_length(exchange) > 255 THEN
+        RAISE EXCEPTION 'outbox: argument exchange is % bytes long (starts %); use 1 to 255 bytes, or NULL for the streamer''s --exchange',
+                octet_length(exchange), quote_literal(left(exchange, 40))
+            USING ERRCODE = '22023',
+                  HINT = 'The exchange is an AMQP exchange name, a short string of 1 to 255 bytes; pass NULL (the default) to publish to the streamer''s --exchange.';
+    END IF;
+
     hdr := convert_to(
-        jsonb_build_object(
+        (jsonb_build_object(
             'id', id,
             'topic', topic,
             'content_type', content_type,
             'headers', headers,
             'emitted_by', session_user::text
-        )::text,
+        ) || CASE WHEN exchange IS NULL THEN '{}'::jsonb
+                  ELSE jsonb_build_object('exchange', exchange) END)::text,
         'UTF8');
 
     -- decode('02', 'hex') is the version byte 0x02, independent of standard_conforming_strings.
@@ -156,14 +175,15 @@ BEGIN
 END;
 $fn$;
 
-COMMENT ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text) IS
+COMMENT ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text) IS
     'Internal to pgoutbox: validates the arguments and returns the version-2 envelope bytes (0x02, u32 big-endian header length, UTF-8 JSON header with emitted_by = session_user, raw payload); a NULL message_id becomes a random UUID. Raises SQLSTATE 22023 on invalid arguments. Does not write to WAL.';
 
 CREATE OR REPLACE FUNCTION outbox.emit(
     topic text,
     payload jsonb,
     headers jsonb DEFAULT '{}',
-    message_id text DEFAULT NULL
+    message_id text DEFAULT NULL,
+    exchange text DEFAULT NULL
 ) RETURNS pg_lsn
 LANGUAGE plpgsql
 VOLATILE
@@ -174,19 +194,20 @@ BEGIN
         true,
         'pgoutbox',
         outbox._envelope(topic, convert_to(payload::text, 'UTF8'), 'application/json',
-                         headers, message_id));
+                         headers, message_id, exchange));
 END;
 $fn$;
 
-COMMENT ON FUNCTION outbox.emit(text, jsonb, jsonb, text) IS
-    'pgoutbox: publishes payload (JSON, content type application/json) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
+COMMENT ON FUNCTION outbox.emit(text, jsonb, jsonb, text, text) IS
+    'pgoutbox: publishes payload (JSON, content type application/json) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. exchange: NULL for the streamer''s --exchange, or an exchange name (1 to 255 bytes) the streamer may restrict with --allowed-exchanges. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
 
 CREATE OR REPLACE FUNCTION outbox.emit_bytes(
     topic text,
     payload bytea,
     content_type text DEFAULT 'application/octet-stream',
     headers jsonb DEFAULT '{}',
-    message_id text DEFAULT NULL
+    message_id text DEFAULT NULL,
+    exchange text DEFAULT NULL
 ) RETURNS pg_lsn
 LANGUAGE plpgsql
 VOLATILE
@@ -196,12 +217,12 @@ BEGIN
     RETURN pg_catalog.pg_logical_emit_message(
         true,
         'pgoutbox',
-        outbox._envelope(topic, payload, content_type, headers, message_id));
+        outbox._envelope(topic, payload, content_type, headers, message_id, exchange));
 END;
 $fn$;
 
-COMMENT ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) IS
-    'pgoutbox: publishes payload (raw bytes, with the given content type) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
+COMMENT ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) IS
+    'pgoutbox: publishes payload (raw bytes, with the given content type) to RabbitMQ with routing key topic when the current transaction commits. headers: JSON object of AMQP headers (keys at most 255 bytes, no x-pgoutbox-*, CC or BCC). message_id: NULL for a random UUID. exchange: NULL for the streamer''s --exchange, or an exchange name (1 to 255 bytes) the streamer may restrict with --allowed-exchanges. Returns the LSN of the logical decoding message. Raises SQLSTATE 22023 on invalid arguments.';
 
 -- Dead letters: messages pgoutbox gave up on (nacked past the retry bound, returned as
 -- unroutable under --on-unroutable dead-letter, undecodable, too large). pgoutbox writes the
@@ -256,8 +277,8 @@ GRANT SELECT ON outbox.lockdown TO PUBLIC;
 DO $lockdown$
 BEGIN
     IF EXISTS (SELECT 1 FROM outbox.lockdown) THEN
-        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY DEFINER;
-        ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY DEFINER;
+        ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) SECURITY DEFINER;
+        ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) SECURITY DEFINER;
     END IF;
 END;
 $lockdown$;

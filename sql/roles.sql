@@ -66,8 +66,8 @@ BEGIN
     EXECUTE format('GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO %I', streamer);
 
     EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', producer);
-    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit(text, jsonb, jsonb, text) TO %I', producer);
-    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) TO %I', producer);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit(text, jsonb, jsonb, text, text) TO %I', producer);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) TO %I', producer);
 
     RETURN array_to_string(created, ',');
 END

@@ -29,17 +29,17 @@ BEGIN
         END IF;
     END LOOP;
 
-    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) SECURITY INVOKER;
-    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) SECURITY INVOKER;
+    ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) SECURITY INVOKER;
+    ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) SECURITY INVOKER;
 
     DELETE FROM outbox.lockdown RETURNING previous_owner INTO prev;
     IF FOUND THEN
         IF prev IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = prev) THEN
             EXECUTE pg_catalog.format(
-                'ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text) OWNER TO %I', prev);
+                'ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text) OWNER TO %I', prev);
             EXECUTE pg_catalog.format(
-                'ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text) OWNER TO %I', prev);
+                'ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text) OWNER TO %I', prev);
         END IF;
         PERFORM pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'off');
     END IF;

@@ -83,6 +83,11 @@ pub struct Envelope {
     /// version-1 envelope, or a version-2 one without the field (which the helpers never
     /// write; under `setup --lockdown` such a message is dead-lettered as `forged`).
     pub emitted_by: Option<String>,
+    /// The exchange the producer named (header field `exchange`, written by
+    /// `outbox.emit(..., exchange => ...)` only when given). `None`: the streamer's
+    /// `--exchange`. Its name rules (1 to 255 bytes, `--allowed-exchanges`) are checked by
+    /// the streamer's routing ([`crate::routing`]), not here.
+    pub exchange: Option<String>,
 }
 
 /// Why envelope bytes could not be decoded, or an [`Envelope`] breaks the rules.
@@ -293,6 +298,16 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
     } else {
         None
     };
+    let exchange = match header.remove("exchange") {
+        None => None,
+        Some(Value::String(s)) => Some(s),
+        Some(other) => {
+            return Err(EnvelopeError::FieldNotString {
+                field: "exchange",
+                found: json_type(&other),
+            })
+        }
+    };
     let env = Envelope {
         message_id,
         topic,
@@ -300,6 +315,7 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         headers,
         payload: content.slice(header_end..),
         emitted_by,
+        exchange,
     };
     env.validate()?;
     Ok(env)
@@ -330,6 +346,9 @@ pub fn encode(env: &Envelope) -> Vec<u8> {
         }
         None => VERSION_1,
     };
+    if let Some(exchange) = &env.exchange {
+        header["exchange"] = Value::String(exchange.clone());
+    }
     let header = header.to_string();
     let header_len = u32::try_from(header.len())
         .expect("envelope JSON header longer than 4 GiB cannot be encoded");
@@ -471,6 +490,7 @@ mod tests {
             headers,
             payload: Bytes::from_static(b"{\"a\": 1}"),
             emitted_by: None,
+            exchange: None,
         }
     }
 
@@ -501,6 +521,7 @@ mod tests {
             env,
             Envelope {
                 emitted_by: Some("postgres".into()),
+                exchange: None,
                 ..sample()
             }
         );
@@ -629,6 +650,27 @@ mod tests {
         assert_eq!(header(&ours), header(&theirs));
         assert!(ours.ends_with(b"{\"a\": 1}"));
         assert_eq!(decode(Bytes::from(ours)).unwrap(), sample());
+    }
+
+    #[test]
+    fn a_named_exchange_round_trips_and_must_be_a_string() {
+        let env = Envelope {
+            emitted_by: Some("app".into()),
+            exchange: Some("billing".into()),
+            ..sample()
+        };
+        assert_eq!(decode(Bytes::from(encode(&env))).unwrap(), env);
+        let header = br#"{"id":"i","topic":"t","content_type":"c","headers":{},"exchange":7}"#;
+        let mut bytes = vec![VERSION_2];
+        bytes.extend_from_slice(&(header.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(header);
+        assert!(matches!(
+            decode(Bytes::from(bytes)),
+            Err(EnvelopeError::FieldNotString {
+                field: "exchange",
+                ..
+            })
+        ));
     }
 
     #[test]

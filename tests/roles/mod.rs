@@ -135,7 +135,7 @@ async fn create_roles_takes_names() {
     assert_eq!(attributes(&ob, &streamer), "f,t,t,f,f,f");
     assert_eq!(
         ob.sql(&format!(
-            "SELECT has_table_privilege('{streamer}', 'outbox.dead_letter', 'INSERT'), has_table_privilege('{producer}', 'outbox.dead_letter', 'SELECT'), has_function_privilege('{producer}', 'outbox.emit(text, jsonb, jsonb, text)', 'EXECUTE')"
+            "SELECT has_table_privilege('{streamer}', 'outbox.dead_letter', 'INSERT'), has_table_privilege('{producer}', 'outbox.dead_letter', 'SELECT'), has_function_privilege('{producer}', 'outbox.emit(text, jsonb, jsonb, text, text)', 'EXECUTE')"
         ))
         .trim(),
         "t|f|t"
