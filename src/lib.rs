@@ -36,6 +36,7 @@ pub mod pipeline;
 pub mod postgres_tls;
 pub mod publisher;
 pub mod replication;
+pub mod routing;
 pub mod secrets;
 pub mod stream_state;
 pub mod watermark;

@@ -23,7 +23,7 @@ use crate::lsn::Lsn;
 use crate::publisher::message::{
     headers_from_json, insert_i64, insert_text, DELIVERY_MODE_PERSISTENT,
 };
-use crate::publisher::{MatchKey, OutboundMessage};
+use crate::publisher::{Exchange, MatchKey, OutboundMessage};
 use crate::watermark::TxnSeq;
 
 /// Identifies one in-flight message within a session (also the publisher's tag).
@@ -57,7 +57,8 @@ impl InFlight {
         self.content.len() as u64
     }
 
-    /// The AMQP message for this record: routing key = topic, body = payload.
+    /// The AMQP message for this record, to `exchange` (decided by
+    /// [`crate::routing::Router`]): routing key = topic, body = payload.
     ///
     /// With [`PublishProperties::Full`]: message id, content type, persistent, timestamp in
     /// seconds, and headers (the producer's, then ours: message LSN, commit LSN as `X/Y`
@@ -74,6 +75,7 @@ impl InFlight {
         &self,
         seq: Seq,
         env: Envelope,
+        exchange: Exchange,
         shape: PublishProperties,
     ) -> Result<OutboundMessage<Seq>, String> {
         let routing_key = ShortString::try_new(env.topic).map_err(|e| e.to_string())?;
@@ -114,6 +116,7 @@ impl InFlight {
         };
         Ok(OutboundMessage {
             tag: seq,
+            exchange,
             routing_key,
             body: env.payload,
             properties,
