@@ -158,6 +158,7 @@ pub enum Error {
 fn declare_fix(reply_code: u16) -> &'static str {
     match reply_code {
         403 => "grant the user configure permission on it (rabbitmqctl set_permissions), or declare it beforehand and grant write",
+        404 => "it does not exist and run has --no-declare (PGOUTBOX_NO_DECLARE), which only checks: declare it as a durable topic exchange, or drop --no-declare; run retries meanwhile",
         _ => "if it exists with another type or durability, delete it or pick another --exchange",
     }
 }
