@@ -469,7 +469,7 @@ async fn setup_twice_keeps_the_same_objects() {
     };
     let before = snapshot();
     assert!(
-        before.contains("outbox.emit(text,jsonb,jsonb,text)"),
+        before.contains("outbox.emit(text,jsonb,jsonb,text,text)"),
         "{before}"
     );
     let out = ob.cli(&["setup", "--publication", &ob.publication]);

@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use crate::support::{
-    declare_bound_queue, drain_queue, lsn, scaled, unique, wait_until, Outbox, Postgres,
-    RabbitMq, Received, Streamer,
+    declare_bound_queue, drain_queue, lsn, scaled, unique, wait_until, Outbox, Postgres, RabbitMq,
+    Received, Streamer,
 };
 
 /// Bound on waiting for a message or a dead letter.
@@ -27,7 +27,9 @@ fn emit(topic: &str, id: &str, exchange: Option<&str>) -> String {
     let exchange = exchange
         .map(|x| format!(", exchange => '{x}'"))
         .unwrap_or_default();
-    format!("SELECT outbox.emit('{topic}', '{{\"id\": \"{id}\"}}', message_id => '{id}'{exchange});")
+    format!(
+        "SELECT outbox.emit('{topic}', '{{\"id\": \"{id}\"}}', message_id => '{id}'{exchange});"
+    )
 }
 
 /// `(message_id, reason, last_error)` of every dead letter, in order.
@@ -104,8 +106,12 @@ async fn messages_arrive_on_the_exchange_their_producer_named_in_order() {
     assert_eq!(ids(&a), ["a1", "a2", "a3", "a4", "a5"], "{}", s.log());
     assert_eq!(ids(&b), ["b1", "b2", "b3", "b4", "b5"]);
     assert_eq!(ids(&d), ["d1", "d2", "d3", "d4"]);
-    assert!(a.iter().all(|m| m.exchange == xa && m.routing_key == "orders.a"));
-    assert!(b.iter().all(|m| m.exchange == xb && m.routing_key == "orders.b"));
+    assert!(a
+        .iter()
+        .all(|m| m.exchange == xa && m.routing_key == "orders.a"));
+    assert!(b
+        .iter()
+        .all(|m| m.exchange == xb && m.routing_key == "orders.b"));
     assert!(d.iter().all(|m| m.exchange == ob.exchange));
     assert!(wait_flushed_past(&ob, &last).await, "slot did not advance");
     assert!(dead_letters(&ob).is_empty(), "{:?}", dead_letters(&ob));
@@ -139,12 +145,19 @@ async fn the_allow_list_dead_letters_a_disallowed_exchange_and_the_next_message_
     assert_eq!(ids(&d), ["m4", "m5"]);
     let dl = wait_dead_letters(&ob, 1).await;
     assert_eq!(dl.len(), 1, "{dl:?}");
-    assert_eq!((dl[0].0.as_str(), dl[0].1.as_str()), ("m2", "exchange_not_allowed"));
+    assert_eq!(
+        (dl[0].0.as_str(), dl[0].1.as_str()),
+        ("m2", "exchange_not_allowed")
+    );
     assert!(
         dl[0].2.contains(&format!("{forbidden:?}")) && dl[0].2.contains("--allowed-exchanges"),
         "{dl:?}"
     );
-    assert_eq!(exchange_row(&forbidden), None, "a disallowed exchange is never declared");
+    assert_eq!(
+        exchange_row(&forbidden),
+        None,
+        "a disallowed exchange is never declared"
+    );
     assert!(wait_flushed_past(&ob, &last).await, "slot did not advance");
 }
 
@@ -183,7 +196,9 @@ async fn a_producer_named_exchange_is_declared_durable_topic_and_a_406_is_dead_l
     ob.sql(&emit("t", "c1", Some(&xc)));
     let dl = wait_dead_letters(&ob, 1).await;
     assert_eq!(
-        dl.iter().map(|d| (d.0.as_str(), d.1.as_str())).collect::<Vec<_>>(),
+        dl.iter()
+            .map(|d| (d.0.as_str(), d.1.as_str()))
+            .collect::<Vec<_>>(),
         [("c1", "returned")],
         "{}",
         s.log()
@@ -199,9 +214,15 @@ async fn a_producer_named_exchange_is_declared_durable_topic_and_a_406_is_dead_l
     assert_eq!(ids(&c), ["c2"]);
     assert_eq!(ids(&ob.drain(1, scaled(WAIT)).await), ["d1"]);
     let dl = wait_dead_letters(&ob, 2).await;
-    assert_eq!((dl[1].0.as_str(), dl[1].1.as_str()), ("f1", "exchange_refused"), "{dl:?}");
+    assert_eq!(
+        (dl[1].0.as_str(), dl[1].1.as_str()),
+        ("f1", "exchange_refused"),
+        "{dl:?}"
+    );
     assert!(
-        dl[1].2.contains("406") && dl[1].2.contains("PRECONDITION_FAILED") && dl[1].2.contains(&fanout),
+        dl[1].2.contains("406")
+            && dl[1].2.contains("PRECONDITION_FAILED")
+            && dl[1].2.contains(&fanout),
         "{dl:?}"
     );
     assert_eq!(exchange_row(&fanout), Some(format!("{fanout} fanout true")));
@@ -227,11 +248,19 @@ async fn no_declare_dead_letters_a_message_naming_a_missing_exchange() {
     ob.sql(&emit("t", "n1", Some(&missing)));
     ob.sql(&emit("t", "n2", Some(&xa)));
     let last = ob.sql(&emit("t", "n3", None)).trim().to_owned();
-    assert_eq!(ids(&drain_queue(&url, &qa, 1, scaled(WAIT)).await), ["n2"], "{}", s.log());
+    assert_eq!(
+        ids(&drain_queue(&url, &qa, 1, scaled(WAIT)).await),
+        ["n2"],
+        "{}",
+        s.log()
+    );
     assert_eq!(ids(&ob.drain(1, scaled(WAIT)).await), ["n3"]);
     let dl = wait_dead_letters(&ob, 1).await;
     assert_eq!(dl.len(), 1, "{dl:?}");
-    assert_eq!((dl[0].0.as_str(), dl[0].1.as_str()), ("n1", "exchange_not_found"));
+    assert_eq!(
+        (dl[0].0.as_str(), dl[0].1.as_str()),
+        ("n1", "exchange_not_found")
+    );
     assert!(
         dl[0].2.contains("404") && dl[0].2.contains(&missing) && dl[0].2.contains("--no-declare"),
         "{dl:?}"
@@ -240,7 +269,10 @@ async fn no_declare_dead_letters_a_message_naming_a_missing_exchange() {
     assert!(wait_flushed_past(&ob, &last).await, "slot did not advance");
     assert_eq!(s.log_count("connected to RabbitMQ"), 1, "{}", s.log());
     s.sigterm();
-    assert!(s.wait_exit(scaled(WAIT)).await.is_some_and(|st| st.success()));
+    assert!(s
+        .wait_exit(scaled(WAIT))
+        .await
+        .is_some_and(|st| st.success()));
 
     // --exchange itself missing under --no-declare: named in the error, with the fix.
     let gone = unique("routing_nodecl_gone");
@@ -253,4 +285,34 @@ async fn no_declare_dead_letters_a_message_naming_a_missing_exchange() {
     assert!(said, "{}", s.log());
     assert!(s.log().contains(&gone));
     assert_eq!(exchange_row(&gone), None);
+}
+
+/// A bad `exchange` argument raises SQLSTATE 22023 inside the producer's transaction,
+/// naming the argument; NULL means `--exchange` and writes no `exchange` key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_exchange_argument_raises_22023_naming_it() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "routing_sql").await;
+    let client = Postgres::client_url(&ob.url()).await.expect("connect");
+    for bad in ["''".to_owned(), format!("'{}'", "x".repeat(256))] {
+        let e = client
+            .batch_execute(&format!(
+                "SELECT outbox.emit('t', '{{}}', exchange => {bad})"
+            ))
+            .await
+            .expect_err("a bad exchange must raise");
+        let db = e.as_db_error().expect("a database error");
+        assert_eq!(db.code().code(), "22023", "{db:?}");
+        assert!(db.message().contains("argument exchange"), "{db:?}");
+        assert!(db.hint().is_some_and(|h| h.contains("NULL")), "{db:?}");
+    }
+    let header = |exchange: &str| {
+        ob.sql(&format!(
+            "SELECT convert_from(substring(e FROM 6 FOR get_byte(e, 4) + 256 * get_byte(e, 3)), 'UTF8')::jsonb ->> 'exchange' FROM (SELECT outbox._envelope('t', ''::bytea, 'a/b', '{{}}', 'i', {exchange}) AS e) s"
+        ))
+        .trim()
+        .to_owned()
+    };
+    assert_eq!(header("'billing'"), "billing");
+    assert_eq!(header("NULL"), "");
 }
