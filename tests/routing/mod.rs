@@ -316,3 +316,39 @@ async fn a_bad_exchange_argument_raises_22023_naming_it() {
     assert_eq!(header("'billing'"), "billing");
     assert_eq!(header("NULL"), "");
 }
+
+/// `check` reports the routing settings: the allow-list and, under `--no-declare`, that a
+/// missing `--exchange` is a problem (run would not stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_allow_list_and_a_missing_exchange_under_no_declare() {
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(Postgres::shared(), &url, "routing_check").await;
+    let gone = unique("routing_check_gone");
+    let out = ob.cli(&[
+        "check",
+        "--amqp-url",
+        &url,
+        "--publication",
+        &ob.publication,
+        "--exchange",
+        &gone,
+        "--allowed-exchanges",
+        "billing,audit",
+        "--no-declare",
+    ]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("producers may name only audit,billing (--allowed-exchanges)"),
+        "{text}"
+    );
+    assert!(text.contains("only checked (--no-declare)"), "{text}");
+    assert!(
+        text.contains(&format!("{gone:?} does not exist, and with --no-declare")),
+        "{text}"
+    );
+    assert_ne!(out.status.code(), Some(0), "a problem fails check: {text}");
+}
