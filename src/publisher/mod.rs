@@ -16,6 +16,12 @@
 //! tags are counted by us from 1 after `confirm.select`, a `basic.return` marks the publish
 //! carrying its key, and the `basic.ack` that later covers it settles it as returned.
 //!
+//! Each message names its exchange ([`Exchange`]): the configured one, declared at
+//! connect, or one its producer named, declared (or checked, under `--no-declare`) on its
+//! first use on this connection, on channel 2, by [`exchanges`]; messages wait there, in
+//! order, until their exchange is known, and a refused exchange settles its message as
+//! [`PublishOutcome::ExchangeRefused`] without touching the publishing channel.
+//!
 //! Source: AMQP 0-9-1 specification (sections 2.2.4, 4.2), `basic.publish` (mandatory),
 //! `basic.return`, `basic.ack`/`basic.nack` with `multiple`, `connection.blocked`; RabbitMQ
 //! "Consumer Acknowledgements and Publisher Confirms" and "Blocked Connection
@@ -370,10 +376,15 @@ impl<T> Publisher<T> {
         })
     }
 
-    /// Encodes `message` as `basic.publish` (mandatory) with its content header and body
-    /// frames, split at the negotiated `frame_max`, into the write buffer, and records it
-    /// under the next delivery tag. Nothing is written until [`Publisher::recv_outcomes`]
-    /// is polled, so many publishes go out in one write.
+    /// Encodes `message` as `basic.publish` (mandatory) to its exchange, with its content
+    /// header and body frames, split at the negotiated `frame_max`, into the write buffer,
+    /// and records it under the next delivery tag. Nothing is written until
+    /// [`Publisher::recv_outcomes`] is polled, so many publishes go out in one write.
+    ///
+    /// A message naming an exchange not yet declared on this connection (or queued behind
+    /// one that is) waits until the declaration is answered ([`exchanges`]); it is then
+    /// published, or settled as [`PublishOutcome::ExchangeRefused`] (or
+    /// [`PublishOutcome::Unsendable`]) through [`Publisher::recv_outcomes`].
     ///
     /// # Errors
     /// [`Error::Lost`] or [`Error::Protocol`] once the connection failed (nothing is
