@@ -802,6 +802,7 @@ async fn broker_ceiling_own(
     let config = PublisherConfig {
         amqp_url: stack.get("PGOUTBOX_AMQP_URL").to_string(),
         exchange: exchange.clone(),
+        declare: pgoutbox::publisher::connection::Declare::DurableTopic,
         connection_name: format!("bench ceiling {tag}"),
         signals: Default::default(),
     };
@@ -831,6 +832,7 @@ async fn broker_ceiling_own(
             publisher
                 .publish(OutboundMessage {
                     tag: sent,
+                    exchange: pgoutbox::publisher::Exchange::Configured,
                     routing_key: rk.clone(),
                     body: payload.clone(),
                     properties,

@@ -112,6 +112,7 @@ async fn main() -> Result<(), String> {
             let config = PublisherConfig {
                 amqp_url: url.clone(),
                 exchange: exchange.clone(),
+                declare: pgoutbox::publisher::connection::Declare::DurableTopic,
                 connection_name: "header_cost".into(),
                 signals: Default::default(),
             };
@@ -147,6 +148,7 @@ async fn main() -> Result<(), String> {
                     let (properties, match_key) = props(shape, sent);
                     p.publish(OutboundMessage {
                         tag: sent,
+                        exchange: pgoutbox::publisher::Exchange::Configured,
                         routing_key: rk.clone(),
                         body: body.clone(),
                         properties,

@@ -59,10 +59,38 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Inspects both servers for `config` (already validated). Never fails: an unreachable
 /// server is a problem finding.
 pub async fn check(config: &RunConfig) -> Vec<Finding> {
-    let mut out = vec![finding(Severity::Ok, "settings", "valid")];
+    let mut out = vec![
+        finding(Severity::Ok, "settings", "valid"),
+        finding(Severity::Ok, "routing", routing_summary(config)),
+    ];
     postgres(config, &mut out).await;
     broker(config, &mut out).await;
     out
+}
+
+/// What producers may name and how exchanges are declared (README, Routing).
+fn routing_summary(config: &RunConfig) -> String {
+    use crate::config::{AllowedExchanges, ExchangeDeclare};
+    let allowed = match &config.allowed_exchanges {
+        AllowedExchanges::Any => "producers may name any exchange".to_owned(),
+        AllowedExchanges::Only(names) if names.is_empty() => {
+            "producers may name no exchange but --exchange".to_owned()
+        }
+        AllowedExchanges::Only(_) => format!(
+            "producers may name only {} (--allowed-exchanges) besides --exchange",
+            config.allowed_exchanges
+        ),
+    };
+    let declare = match config.exchange_declare {
+        ExchangeDeclare::DurableTopic => "declared as durable topic exchanges on first use",
+        ExchangeDeclare::Passive => {
+            "only checked (--no-declare): a missing one dead-letters its messages as exchange_not_found"
+        }
+    };
+    format!(
+        "default exchange {:?}; {allowed}; exchanges {declare}",
+        config.exchange
+    )
 }
 
 fn precondition(out: &mut Vec<Finding>, subject: &str, result: Result<(), Error>) {
@@ -334,6 +362,15 @@ async fn broker_node(config: &RunConfig, amqp_url: &str, out: &mut Vec<Finding>)
                 format!("{exchange:?} exists"),
             ));
             let _ = tokio::time::timeout(CHECK_TIMEOUT, opened.close()).await;
+        }
+        Ok(Err(publisher::Error::Declare { reply_code: 404, .. }))
+            if config.exchange_declare == crate::config::ExchangeDeclare::Passive =>
+        {
+            out.push(finding(
+                Severity::Problem,
+                "exchange",
+                format!("{exchange:?} does not exist, and with --no-declare `run` does not declare it: declare it as a durable topic exchange, or drop --no-declare"),
+            ))
         }
         Ok(Err(publisher::Error::Declare { reply_code: 404, .. })) => out.push(finding(
             Severity::Warning,

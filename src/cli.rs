@@ -356,9 +356,21 @@ pub struct RunArgs {
     /// Publication name.
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,
-    /// Durable topic exchange to publish to (declared if absent).
+    /// Durable topic exchange to publish to (declared if absent), for messages whose
+    /// producer named no exchange.
     #[arg(long, env = "PGOUTBOX_EXCHANGE", default_value = DEFAULT_EXCHANGE)]
     pub exchange: String,
+    /// The exchanges producers may name (outbox.emit(..., exchange => 'x')), separated by
+    /// commas; --exchange is always allowed. A message naming another is dead-lettered
+    /// with reason exchange_not_allowed, never published. Unset: any exchange; empty:
+    /// only --exchange.
+    #[arg(long, env = "PGOUTBOX_ALLOWED_EXCHANGES")]
+    pub allowed_exchanges: Option<String>,
+    /// Declare no exchange, only check that it exists (a passive declare): a missing
+    /// --exchange stops run; a message naming a missing exchange is dead-lettered with
+    /// reason exchange_not_found. For users without configure permission.
+    #[arg(long, env = "PGOUTBOX_NO_DECLARE")]
+    pub no_declare: bool,
     /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
     /// confirmed behind an earlier unconfirmed one), 1 to 1000000. A transaction is
     /// acknowledged whole, so one larger than the window is still read to its end.
@@ -535,6 +547,15 @@ impl RunArgs {
             slot: self.db.slot,
             publication: self.publication,
             exchange: self.exchange,
+            allowed_exchanges: match &self.allowed_exchanges {
+                None => crate::config::AllowedExchanges::Any,
+                Some(text) => crate::config::AllowedExchanges::parse(text)?,
+            },
+            exchange_declare: if self.no_declare {
+                crate::config::ExchangeDeclare::Passive
+            } else {
+                crate::config::ExchangeDeclare::DurableTopic
+            },
             max_in_flight: self.max_in_flight,
             max_in_flight_bytes: self.max_in_flight_bytes,
             slot_busy_timeout: (self.slot_busy_timeout_s > 0)

@@ -160,6 +160,79 @@ pub enum PublishProperties {
     Minimal,
 }
 
+/// The exchanges producers may name with `outbox.emit(..., exchange => ...)`
+/// (`--allowed-exchanges`). The configured `--exchange` is always allowed, named or not.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum AllowedExchanges {
+    /// No `--allowed-exchanges`: producers may name any exchange (routing by a field of the
+    /// event, as Debezium's outbox event router does).
+    #[default]
+    Any,
+    /// Only these (and `--exchange`); any other is dead-lettered as
+    /// `exchange_not_allowed`. Empty: producers may name only `--exchange`.
+    Only(std::collections::BTreeSet<String>),
+}
+
+impl AllowedExchanges {
+    /// Parses `--allowed-exchanges`: exchange names separated by commas, blanks around each
+    /// trimmed, empty pieces dropped (so `""` allows only `--exchange`).
+    ///
+    /// # Errors
+    /// [`ValidationError`] for `--allowed-exchanges` when a name is longer than 255 bytes.
+    pub fn parse(text: &str) -> Result<Self, ValidationError> {
+        let mut names = std::collections::BTreeSet::new();
+        for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if name.len() > 255 {
+                return Err(ValidationError {
+                    setting: "--allowed-exchanges",
+                    value: text.to_owned(),
+                    rule: format!(
+                        "the exchange name starting {:?} is {} bytes long; AMQP exchange names are 1 to 255 bytes (separate names with commas)",
+                        name.chars().take(40).collect::<String>(),
+                        name.len()
+                    ),
+                });
+            }
+            names.insert(name.to_owned());
+        }
+        Ok(AllowedExchanges::Only(names))
+    }
+
+    /// Whether a producer may name `exchange` (the configured `--exchange` is checked by
+    /// the caller: it is always allowed).
+    pub fn allows(&self, exchange: &str) -> bool {
+        match self {
+            AllowedExchanges::Any => true,
+            AllowedExchanges::Only(names) => names.contains(exchange),
+        }
+    }
+}
+
+impl std::fmt::Display for AllowedExchanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AllowedExchanges::Any => write!(f, "any"),
+            AllowedExchanges::Only(names) => {
+                let list: Vec<&str> = names.iter().map(String::as_str).collect();
+                write!(f, "{}", list.join(","))
+            }
+        }
+    }
+}
+
+/// How `run` makes sure an exchange exists before publishing to it: `--exchange` at
+/// connect, and each exchange a producer names on its first use on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExchangeDeclare {
+    /// `exchange.declare` durable topic: created when absent (the default).
+    #[default]
+    DurableTopic,
+    /// `--no-declare`: a passive `exchange.declare`, which only checks that it exists.
+    /// A missing `--exchange` stops `run`; a missing producer-named exchange dead-letters
+    /// the message as `exchange_not_found`.
+    Passive,
+}
+
 /// How long a SIGINT/SIGTERM waits for outstanding publisher confirms.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a session whose Postgres connection broke keeps collecting broker confirms
@@ -511,8 +584,12 @@ pub struct RunConfig {
     pub slot: String,
     /// Publication named in `publication_names`.
     pub publication: String,
-    /// Durable topic exchange messages are published to.
+    /// Durable topic exchange messages are published to when their producer named none.
     pub exchange: String,
+    /// Which other exchanges producers may name (`--allowed-exchanges`).
+    pub allowed_exchanges: AllowedExchanges,
+    /// Declare exchanges, or only check them (`--no-declare`).
+    pub exchange_declare: ExchangeDeclare,
     /// In-flight window in messages (sent, not yet confirmed).
     pub max_in_flight: usize,
     /// In-flight window in payload bytes.
@@ -580,6 +657,8 @@ impl std::fmt::Debug for RunConfig {
             .field("slot", &self.slot)
             .field("publication", &self.publication)
             .field("exchange", &self.exchange)
+            .field("allowed_exchanges", &self.allowed_exchanges)
+            .field("exchange_declare", &self.exchange_declare)
             .field("max_in_flight", &self.max_in_flight)
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("slot_busy_timeout", &self.slot_busy_timeout)
@@ -1041,6 +1120,8 @@ mod tests {
             slot: DEFAULT_SLOT.into(),
             publication: DEFAULT_PUBLICATION.into(),
             exchange: DEFAULT_EXCHANGE.into(),
+            allowed_exchanges: AllowedExchanges::Any,
+            exchange_declare: ExchangeDeclare::DurableTopic,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             slot_busy_timeout: None,

@@ -50,6 +50,10 @@ pub struct FileSettings {
     pub publication: Option<String>,
     /// `--exchange`.
     pub exchange: Option<String>,
+    /// `--allowed-exchanges`: one comma-separated string, or an array of names.
+    pub allowed_exchanges: Option<NamesOrList>,
+    /// `--no-declare`.
+    pub no_declare: Option<bool>,
     /// `--max-in-flight` (messages).
     pub max_in_flight: Option<usize>,
     /// `--max-in-flight-bytes`.
@@ -86,6 +90,25 @@ pub struct FileSettings {
     pub cloudevents_source: Option<String>,
     /// `--cloudevents-prefix` (`cloudEvents_` or `cloudEvents:`).
     pub cloudevents_prefix: Option<crate::cloudevents::Prefix>,
+}
+
+/// A comma-separated string, or an array of strings (`allowed_exchanges = ["a", "b"]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum NamesOrList {
+    /// `"a,b"`.
+    Text(String),
+    /// `["a", "b"]`.
+    List(Vec<String>),
+}
+
+impl NamesOrList {
+    fn into_text(self) -> Option<String> {
+        Some(match self {
+            NamesOrList::Text(s) => s,
+            NamesOrList::List(v) => v.join(","),
+        })
+    }
 }
 
 /// A string, or an array of strings (`amqp_url = ["amqp://a", "amqp://b"]`).
@@ -141,6 +164,11 @@ const KEYS: &[(&str, &str)] = &[
     ("amqp_url_order", "\"in-order\" or \"shuffle\""),
     ("publication", "a string of a-z, 0-9 and _"),
     ("exchange", "a string"),
+    (
+        "allowed_exchanges",
+        "a string of exchange names separated by commas, or an array of names",
+    ),
+    ("no_declare", "true or false"),
     ("max_in_flight", "a whole number of messages, 1 to 1000000"),
     (
         "max_in_flight_bytes",
@@ -417,6 +445,8 @@ fn merge(
                 amqp_key_file => args.amqp_key_file, Some;
                 publication => args.publication, same;
                 exchange => args.exchange, same;
+                allowed_exchanges => args.allowed_exchanges, NamesOrList::into_text;
+                no_declare => args.no_declare, same;
                 instance_id => args.instance_id, Some;
                 max_in_flight => args.max_in_flight, same;
                 max_in_flight_bytes => args.max_in_flight_bytes, same;

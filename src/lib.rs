@@ -37,6 +37,7 @@ pub mod pipeline;
 pub mod postgres_tls;
 pub mod publisher;
 pub mod replication;
+pub mod routing;
 pub mod secrets;
 pub mod stream_state;
 pub mod watermark;

@@ -505,6 +505,7 @@ mod tests {
         let publisher = crate::publisher::PublisherConfig {
             amqp_url: config.amqp_urls[0].clone(),
             exchange: "x".into(),
+            declare: crate::publisher::connection::Declare::DurableTopic,
             connection_name: "pgoutbox test".into(),
             signals: Default::default(),
         };

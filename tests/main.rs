@@ -23,6 +23,7 @@ mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;
 mod roles;
+mod routing;
 mod secrets;
 mod standby;
 mod status;

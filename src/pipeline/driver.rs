@@ -435,6 +435,14 @@ async fn connect(
     let publisher_config = PublisherConfig {
         amqp_url: String::new(),
         exchange: config.exchange.clone(),
+        declare: match config.exchange_declare {
+            crate::config::ExchangeDeclare::DurableTopic => {
+                crate::publisher::connection::Declare::DurableTopic
+            }
+            crate::config::ExchangeDeclare::Passive => {
+                crate::publisher::connection::Declare::Passive
+            }
+        },
         connection_name: format!("pgoutbox {}", config.instance_id),
         signals: crate::publisher::BrokerSignals {
             blocked: telemetry.broker_blocked_flag(),
@@ -459,6 +467,8 @@ async fn connect(
         slot = %config.slot,
         publication = %config.publication,
         exchange = %config.exchange,
+        allowed_exchanges = %config.allowed_exchanges,
+        no_declare = config.exchange_declare == crate::config::ExchangeDeclare::Passive,
         start_lsn = %start,
         slot_confirmed_flush_lsn = %slot_lsn,
         status_interval_ms = interval.as_millis() as u64,

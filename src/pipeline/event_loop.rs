@@ -29,6 +29,7 @@ use crate::pgoutput::{self, LogicalMessage};
 use crate::publisher::{PublishOutcome, Publisher};
 use crate::replication::session::ReplicationStream;
 use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
+use crate::routing::{self, Router};
 use crate::stream_state::FlushGate;
 use crate::watermark::AckWatermark;
 
@@ -88,6 +89,8 @@ pub(super) struct Core {
     /// Whether `setup --lockdown` is in effect, from the record read at session start and
     /// the markers seen since (see [`crate::lockdown`] for why that is exact).
     lockdown: Lockdown,
+    /// Which exchange each message goes to (`--exchange`, `--allowed-exchanges`).
+    router: Router,
 }
 
 impl Core {
@@ -107,7 +110,9 @@ impl Core {
         lockdown: Lockdown,
     ) -> Self {
         let stall = StallWatch::new(config.stall_after);
+        let router = Router::new(config.exchange.clone(), config.allowed_exchanges.clone());
         Core {
+            router,
             stream,
             dead_letters,
             config,
@@ -379,10 +384,17 @@ impl Core {
             Some(env) => env,
             None => m.envelope().map_err(|e| Error::Stream(e.to_string()))?,
         };
+        // Checked before the first publish too (handle_logical): a refusal here means the
+        // record changed, which it does not; dead-letter rather than stop.
+        let exchange = match self.router.route(env.exchange.as_deref()) {
+            Ok(exchange) => exchange,
+            Err(refusal) => return self.dead_letter_in_flight(seq, refusal.reason, refusal.error),
+        };
         let message = m
             .to_outbound(
                 seq,
                 env,
+                exchange,
                 self.config.publish_properties,
                 self.config.cloudevents.as_ref(),
             )
@@ -447,6 +459,20 @@ impl Core {
                     let _ = self.send_status(StatusUpdateKind::Periodic).await;
                     return Err(Error::BrokerLost(error));
                 }
+                PublishOutcome::ExchangeRefused {
+                    exchange,
+                    reply_code,
+                    reply_text,
+                } => {
+                    let passive =
+                        self.config.exchange_declare == crate::config::ExchangeDeclare::Passive;
+                    let refusal = routing::refused(&exchange, reply_code, &reply_text, passive);
+                    m.first_error.get_or_insert_with(|| refusal.error.clone());
+                    self.dead_letter_in_flight(seq, refusal.reason, refusal.error)?;
+                }
+                PublishOutcome::Unsendable { error } => {
+                    self.dead_letter_in_flight(seq, "too_large", error)?;
+                }
                 PublishOutcome::Nacked => {
                     self.telemetry.nacked();
                     let error = format!("nacked by the broker (attempt {})", m.attempts);
@@ -469,10 +495,11 @@ impl Core {
                     reply_text,
                 } => {
                     self.telemetry.returned();
-                    let (topic, message_id) = envelope::decode(m.content.clone())
-                        .map(|e| (e.topic, e.message_id))
+                    let (topic, message_id, exchange) = envelope::decode(m.content.clone())
+                        .map(|e| (e.topic, e.message_id, e.exchange))
                         .unwrap_or_default();
-                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {:?} for routing key {topic:?}", self.config.exchange);
+                    let exchange = exchange.unwrap_or_else(|| self.config.exchange.clone());
+                    let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {exchange:?} for routing key {topic:?}");
                     m.first_error.get_or_insert_with(|| error.clone());
                     match self.config.on_unroutable {
                         UnroutablePolicy::DeadLetter => {
@@ -813,6 +840,15 @@ impl Core {
                         );
                     }
                 };
+                if let Err(refusal) = self.router.route(env.exchange.as_deref()) {
+                    return self.dead_letter_unpublished(
+                        m.lsn,
+                        Some(commit_lsn),
+                        m.content,
+                        refusal.reason,
+                        refusal.error,
+                    );
+                }
                 if let Some(limit) = &self.broker_limit {
                     if env.payload.len() > limit.max_bytes {
                         let error = format!(

@@ -27,7 +27,7 @@ use crate::lsn::Lsn;
 use crate::publisher::message::{
     headers_from_json, insert_i64, insert_text, DELIVERY_MODE_PERSISTENT,
 };
-use crate::publisher::{MatchKey, OutboundMessage};
+use crate::publisher::{Exchange, MatchKey, OutboundMessage};
 use crate::watermark::TxnSeq;
 
 /// Identifies one in-flight message within a session (also the publisher's tag).
@@ -61,7 +61,8 @@ impl InFlight {
         self.content.len() as u64
     }
 
-    /// The AMQP message for this record: routing key = topic, body = payload.
+    /// The AMQP message for this record, to `exchange` (decided by
+    /// [`crate::routing::Router`]): routing key = topic, body = payload.
     ///
     /// With [`PublishProperties::Full`]: message id, content type, persistent, timestamp in
     /// seconds, `type` = the topic, and headers (the producer's, then ours: message LSN,
@@ -91,6 +92,7 @@ impl InFlight {
         &self,
         seq: Seq,
         env: Envelope,
+        exchange: Exchange,
         shape: PublishProperties,
         cloudevents: Option<&crate::cloudevents::Binding>,
     ) -> Result<OutboundMessage<Seq>, String> {
@@ -146,6 +148,7 @@ impl InFlight {
         };
         Ok(OutboundMessage {
             tag: seq,
+            exchange,
             routing_key,
             body: env.payload,
             properties,
@@ -341,7 +344,7 @@ mod tests {
     fn metadata_maps_to_amqp_properties_and_headers_in_both_shapes() {
         for shape in [PublishProperties::Full, PublishProperties::Minimal] {
             let out = record(1)
-                .to_outbound(0, v3_envelope(full_meta()), shape, None)
+                .to_outbound(0, v3_envelope(full_meta()), Exchange::Configured, shape, None)
                 .unwrap();
             let p = &out.properties;
             assert_eq!(
@@ -380,13 +383,13 @@ mod tests {
         let mut env = v3_envelope(Metadata::default());
         env.headers.clear();
         let out = record(1)
-            .to_outbound(0, env.clone(), PublishProperties::Minimal, None)
+            .to_outbound(0, env.clone(), Exchange::Configured, PublishProperties::Minimal, None)
             .unwrap();
         let p = &out.properties;
         assert!(p.headers().is_none(), "{:?}", p.headers());
         assert!(p.correlation_id().is_none() && p.expiration().is_none() && p.priority().is_none());
         let out = record(1)
-            .to_outbound(0, env, PublishProperties::Full, None)
+            .to_outbound(0, env, Exchange::Configured, PublishProperties::Full, None)
             .unwrap();
         let keys: Vec<String> = out
             .properties

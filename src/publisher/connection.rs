@@ -34,6 +34,9 @@ pub struct Tuned {
     pub frame_max: u32,
     /// Heartbeat interval; `None` when both sides disabled heartbeats.
     pub heartbeat: Option<Duration>,
+    /// The highest channel number either side may use (0: no limit). We ask for 2: the
+    /// publishing channel and the one producer-named exchanges are declared on.
+    pub channel_max: u16,
 }
 
 /// How [`open`] declares the exchange.
@@ -149,7 +152,9 @@ pub async fn open(
         u32::from(uri.query.heartbeat.unwrap_or(DEFAULT_HEARTBEAT_S)),
         u32::from(tune.heartbeat),
     ) as u16;
-    let channel_max = negotiate(1, u32::from(tune.channel_max)) as u16;
+    // Channel 1 publishes; channel 2 declares exchanges named by producers
+    // (super::exchanges), opened only when one is first used.
+    let channel_max = negotiate(2, u32::from(tune.channel_max)) as u16;
     hs.send(
         0,
         AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
@@ -231,6 +236,7 @@ pub async fn open(
         tuned: Tuned {
             frame_max,
             heartbeat: (heartbeat > 0).then(|| Duration::from_secs(u64::from(heartbeat))),
+            channel_max,
         },
     })
 }

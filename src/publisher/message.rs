@@ -10,11 +10,28 @@ use crate::lsn::Lsn;
 /// AMQP 0-9-1 delivery mode 2: persistent (the broker writes the message to disk).
 pub const DELIVERY_MODE_PERSISTENT: u8 = 2;
 
-/// A message to publish on the publisher's exchange.
+/// The exchange a message is published to.
+///
+/// The configured one is a variant without data, so the common case allocates nothing per
+/// message; the publisher holds its name once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exchange {
+    /// The publisher's own exchange ([`super::PublisherConfig::exchange`], `--exchange`),
+    /// declared when the connection opened.
+    Configured,
+    /// An exchange the producer named: declared (or, under `--no-declare`, checked) on its
+    /// first use on a connection, before the message is published (see
+    /// [`super::exchanges`]).
+    Named(ShortString),
+}
+
+/// A message to publish.
 #[derive(Debug)]
 pub struct OutboundMessage<T> {
     /// The caller's tag, handed back with the outcome.
     pub tag: T,
+    /// The exchange to publish to.
+    pub exchange: Exchange,
     /// The routing key (at most 255 bytes, already validated).
     pub routing_key: ShortString,
     /// The body, byte-exact.

@@ -16,6 +16,12 @@
 //! tags are counted by us from 1 after `confirm.select`, a `basic.return` marks the publish
 //! carrying its key, and the `basic.ack` that later covers it settles it as returned.
 //!
+//! Each message names its exchange ([`Exchange`]): the configured one, declared at
+//! connect, or one its producer named, declared (or checked, under `--no-declare`) on its
+//! first use on this connection, on channel 2, by [`exchanges`]; messages wait there, in
+//! order, until their exchange is known, and a refused exchange settles its message as
+//! [`PublishOutcome::ExchangeRefused`] without touching the publishing channel.
+//!
 //! Source: AMQP 0-9-1 specification (sections 2.2.4, 4.2), `basic.publish` (mandatory),
 //! `basic.return`, `basic.ack`/`basic.nack` with `multiple`, `connection.blocked`; RabbitMQ
 //! "Consumer Acknowledgements and Publisher Confirms" and "Blocked Connection
@@ -23,6 +29,7 @@
 
 pub mod confirms;
 pub mod connection;
+pub mod exchanges;
 pub mod message;
 pub mod outcome;
 pub mod socket;
@@ -45,7 +52,8 @@ use tokio::time::{Instant, Sleep};
 use crate::lsn::Lsn;
 use confirms::{Confirms, ReturnedKey, Violation};
 pub use connection::{CHANNEL, DEFAULT_HEARTBEAT_S};
-pub use message::{MatchKey, OutboundMessage};
+use exchanges::{Exchanges, Released, DECLARE_CHANNEL};
+pub use message::{Exchange, MatchKey, OutboundMessage};
 pub use outcome::PublishOutcome;
 use socket::{Endpoint, Socket};
 
@@ -156,6 +164,7 @@ pub enum Error {
 fn declare_fix(reply_code: u16) -> &'static str {
     match reply_code {
         403 => "grant the user configure permission on it (rabbitmqctl set_permissions), or declare it beforehand and grant write",
+        404 => "it does not exist and run has --no-declare (PGOUTBOX_NO_DECLARE), which only checks: declare it as a durable topic exchange, or drop --no-declare; run retries meanwhile",
         _ => "if it exists with another type or durability, delete it or pick another --exchange",
     }
 }
@@ -202,8 +211,12 @@ pub struct PublisherConfig {
     /// with the TLS parameters of [`tls`] (`cacertfile=`, `certfile=`, `keyfile=`,
     /// `server_name_indication=`).
     pub amqp_url: String,
-    /// The durable topic exchange to publish to (declared if absent).
+    /// The durable topic exchange to publish to (declared if absent) when a message names
+    /// none ([`Exchange::Configured`]).
     pub exchange: String,
+    /// How exchanges are declared: this one at connect, producer-named ones on first use
+    /// (durable topic, or passive under `--no-declare`).
+    pub declare: connection::Declare,
     /// Shown in RabbitMQ's connection list.
     pub connection_name: String,
     /// Flags other tasks read (metrics, readiness).
@@ -215,6 +228,7 @@ impl std::fmt::Debug for PublisherConfig {
         f.debug_struct("PublisherConfig")
             .field("amqp_url", &crate::config::redact_url(&self.amqp_url))
             .field("exchange", &self.exchange)
+            .field("declare", &self.declare)
             .field("connection_name", &self.connection_name)
             .finish()
     }
@@ -271,6 +285,10 @@ pub struct Publisher<T> {
     in_start: usize,
     in_end: usize,
     confirms: Confirms<T>,
+    /// Producer-named exchanges known on this connection, and messages held for one.
+    exchanges: Exchanges<T>,
+    /// Scratch list of messages released by `exchanges` (kept to reuse its allocation).
+    released: Vec<Released<T>>,
     returning: Option<Returning>,
     /// Outcomes settled and not yet handed out.
     ready: Vec<(T, PublishOutcome)>,
@@ -313,7 +331,7 @@ impl<T> Publisher<T> {
             connection::open(
                 &endpoint,
                 &config.exchange,
-                connection::Declare::DurableTopic,
+                config.declare,
                 &config.connection_name,
             ),
         )
@@ -345,6 +363,8 @@ impl<T> Publisher<T> {
             in_start: 0,
             in_end: leftover,
             confirms: Confirms::default(),
+            exchanges: Exchanges::new(&config.exchange, config.declare, opened.tuned.channel_max),
+            released: Vec::new(),
             returning: None,
             ready: Vec::new(),
             state: State::Open,
@@ -356,10 +376,15 @@ impl<T> Publisher<T> {
         })
     }
 
-    /// Encodes `message` as `basic.publish` (mandatory) with its content header and body
-    /// frames, split at the negotiated `frame_max`, into the write buffer, and records it
-    /// under the next delivery tag. Nothing is written until [`Publisher::recv_outcomes`]
-    /// is polled, so many publishes go out in one write.
+    /// Encodes `message` as `basic.publish` (mandatory) to its exchange, with its content
+    /// header and body frames, split at the negotiated `frame_max`, into the write buffer,
+    /// and records it under the next delivery tag. Nothing is written until
+    /// [`Publisher::recv_outcomes`] is polled, so many publishes go out in one write.
+    ///
+    /// A message naming an exchange not yet declared on this connection (or queued behind
+    /// one that is) waits until the declaration is answered ([`exchanges`]); it is then
+    /// published, or settled as [`PublishOutcome::ExchangeRefused`] (or
+    /// [`PublishOutcome::Unsendable`]) through [`Publisher::recv_outcomes`].
     ///
     /// # Errors
     /// [`Error::Lost`] or [`Error::Protocol`] once the connection failed (nothing is
@@ -375,17 +400,54 @@ impl<T> Publisher<T> {
             self.out.clear();
             self.written = 0;
         }
+        let mut released = std::mem::take(&mut self.released);
+        let now = self.exchanges.admit(message, &mut self.out, &mut released);
+        self.release(&mut released);
+        self.released = released;
+        match now {
+            Some(message) => self
+                .encode(message)
+                .map_err(|(_, error)| Error::Unsendable(error)),
+            None => Ok(()),
+        }
+    }
+
+    /// Encodes `message` as `basic.publish` (mandatory) into the write buffer and records
+    /// it under the next delivery tag; gives it back with the reason when it cannot be
+    /// sent on this connection (nothing written or recorded).
+    fn encode(&mut self, message: OutboundMessage<T>) -> Result<(), (T, String)> {
+        let exchange = match &message.exchange {
+            Exchange::Configured => self.exchange.as_str(),
+            Exchange::Named(name) => name.as_str(),
+        };
         let publish = wire::Publish {
             channel: CHANNEL,
-            exchange: &self.exchange,
+            exchange,
             routing_key: message.routing_key.as_str(),
             mandatory: true,
             properties: &message.properties,
             body: &message.body,
         };
-        wire::encode_publish(&mut self.out, &publish, self.frame_max).map_err(Error::Unsendable)?;
+        if let Err(error) = wire::encode_publish(&mut self.out, &publish, self.frame_max) {
+            return Err((message.tag, error));
+        }
         self.confirms.published(message.tag, message.match_key);
         Ok(())
+    }
+
+    /// Publishes the held messages whose exchange is now known, and settles the refused
+    /// ones, in order (`released` is left empty).
+    fn release(&mut self, released: &mut Vec<Released<T>>) {
+        for r in released.drain(..) {
+            match r {
+                Released::Publish(message) => {
+                    if let Err((tag, error)) = self.encode(message) {
+                        self.ready.push((tag, PublishOutcome::Unsendable { error }));
+                    }
+                }
+                Released::Refused(tag, outcome) => self.ready.push((tag, outcome)),
+            }
+        }
     }
 
     /// Writes what is buffered, reads and handles the broker's frames, and keeps heartbeats
@@ -416,9 +478,10 @@ impl<T> Publisher<T> {
         self.blocked
     }
 
-    /// Publishes not yet acked or nacked.
+    /// Publishes not yet acked or nacked, and messages held until their exchange is
+    /// declared.
     pub fn unsettled(&self) -> usize {
-        self.confirms.unsettled()
+        self.confirms.unsettled() + self.exchanges.held()
     }
 
     /// The negotiated `frame_max`, bytes.
@@ -660,6 +723,19 @@ impl<T> Publisher<T> {
     fn handle_frame(&mut self, frame: AMQPFrame) {
         match frame {
             AMQPFrame::Heartbeat => {}
+            // Producer-named exchanges are declared on their own channel (exchanges.rs):
+            // its replies, a refusal's channel.close included, concern nothing else.
+            AMQPFrame::Method(DECLARE_CHANNEL, method) => {
+                let mut released = std::mem::take(&mut self.released);
+                let r = self
+                    .exchanges
+                    .on_method(method, &mut self.out, &mut released);
+                self.release(&mut released);
+                self.released = released;
+                if let Err(e) = r {
+                    self.fail(e);
+                }
+            }
             AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
                 let r = self
                     .confirms
@@ -772,6 +848,7 @@ impl<T> Publisher<T> {
             return;
         }
         self.confirms.fail_all(&reason, &mut self.ready);
+        self.exchanges.fail_all(&reason, &mut self.ready);
         self.signals.lost.store(true, Ordering::Relaxed);
         self.state = State::Failed(reason);
     }

@@ -19,6 +19,24 @@ pub enum PublishOutcome {
     },
     /// Negatively acknowledged (`basic.nack`): the broker did not take responsibility.
     Nacked,
+    /// Never published: the producer-named exchange could not be declared (or, under
+    /// `--no-declare`, does not exist). The broker closed the declaring channel with this
+    /// reply (404 NOT_FOUND, 406 PRECONDITION_FAILED for an exchange of another type or
+    /// durability, 403 ACCESS_REFUSED); the publishing channel is untouched.
+    ExchangeRefused {
+        /// The exchange named.
+        exchange: String,
+        /// AMQP reply code, e.g. 404.
+        reply_code: u16,
+        /// AMQP reply text, e.g. `NOT_FOUND - no exchange 'x' in vhost '/'`.
+        reply_text: String,
+    },
+    /// Never published: its content header does not fit the connection's `frame_max`
+    /// (found when a message held behind an exchange declaration was encoded).
+    Unsendable {
+        /// Why.
+        error: String,
+    },
     /// The channel or connection failed before a confirm arrived: outcome unknown,
     /// treated as not delivered.
     Failed {
@@ -43,6 +61,15 @@ impl std::fmt::Display for PublishOutcome {
                 reply_text,
             } => write!(f, "returned by the broker ({reply_code} {reply_text})"),
             PublishOutcome::Nacked => write!(f, "nacked by the broker"),
+            PublishOutcome::ExchangeRefused {
+                exchange,
+                reply_code,
+                reply_text,
+            } => write!(
+                f,
+                "not published: exchange {exchange:?} was refused ({reply_code} {reply_text})"
+            ),
+            PublishOutcome::Unsendable { error } => write!(f, "not published: {error}"),
             PublishOutcome::Failed { error } => write!(f, "failed before a confirm: {error}"),
         }
     }

@@ -212,6 +212,7 @@ fn message_with_body(n: u64, body: Vec<u8>) -> OutboundMessage<u64> {
         .with_headers(lsn_headers(&lsn.to_string()));
     OutboundMessage {
         tag: n,
+        exchange: pgoutbox::publisher::Exchange::Configured,
         routing_key: ShortString::from(format!("orders.{n}")),
         body: body.into(),
         properties,
@@ -230,6 +231,7 @@ fn publisher_config(fake: &FakeBroker) -> PublisherConfig {
     PublisherConfig {
         amqp_url: fake.url(),
         exchange: "pgoutbox_wire".into(),
+        declare: pgoutbox::publisher::connection::Declare::DurableTopic,
         connection_name: "publisher_wire test".into(),
         signals: BrokerSignals::default(),
     }
@@ -619,6 +621,7 @@ async fn returns_of_messages_keyed_by_message_id_mark_every_publish_with_that_id
     for (n, id) in [(1, "a"), (2, "b"), (3, "a")] {
         p.publish(OutboundMessage {
             tag: n,
+            exchange: pgoutbox::publisher::Exchange::Configured,
             routing_key: ShortString::from(format!("orders.{n}")),
             body: format!("message {n}").into_bytes().into(),
             properties: BasicProperties::default()
