@@ -224,7 +224,18 @@ fn example_binary() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
+        let mut build = std::process::Command::new(cargo);
+        // Without the CARGO_* variables cargo set for this test process: build scripts (ring's)
+        // track CARGO_MANIFEST_DIR, CARGO_PKG_NAME, ..., and would rebuild under other values.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if (k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_TARGET_DIR")
+                || k == "OUT_DIR"
+            {
+                build.env_remove(k);
+            }
+        }
+        let status = build
             .args(["build", "--example", "inbox_consumer"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
@@ -665,7 +676,7 @@ async fn duplicates_published_on_purpose_are_applied_once() {
     }
     rig.publish(&messages).await;
     let consumer = rig.consumer(&["--prefetch", "20"]);
-    let done = wait_until(scaled(Duration::from_secs(30)), || async {
+    let done = wait_until(scaled(Duration::from_secs(60)), || async {
         rig.ledger_rows() >= 190 && rig.queue_len(&rig.queue).await == 0
     })
     .await;
@@ -709,7 +720,7 @@ async fn a_consumer_killed_mid_batch_and_restarted_applies_each_event_once() {
         .collect();
     rig.publish(&messages).await;
     let first = rig.consumer(&["--prefetch", "50", "--work-ms", "5"]);
-    let started = wait_until(scaled(Duration::from_secs(30)), || async {
+    let started = wait_until(scaled(Duration::from_secs(60)), || async {
         rig.ledger_rows() >= 60
     })
     .await;
@@ -721,14 +732,14 @@ async fn a_consumer_killed_mid_batch_and_restarted_applies_each_event_once() {
         "killed after the whole batch ({applied_before})"
     );
     // Everything not acked is back in the queue.
-    let back = wait_until(scaled(Duration::from_secs(10)), || async {
+    let back = wait_until(scaled(Duration::from_secs(30)), || async {
         rig.queue_len(&rig.queue).await as i64 >= n as i64 - applied_before
     })
     .await;
     assert!(back, "unacked deliveries did not return to the queue");
 
     let second = rig.consumer(&["--prefetch", "50"]);
-    let done = wait_until(scaled(Duration::from_secs(30)), || async {
+    let done = wait_until(scaled(Duration::from_secs(60)), || async {
         rig.ledger_rows() >= n as i64 && rig.queue_len(&rig.queue).await == 0
     })
     .await;
@@ -785,7 +796,7 @@ async fn two_consumers_on_one_queue_apply_each_event_once() {
         );
     }
     rig.publish(&messages).await;
-    let done = wait_until(scaled(Duration::from_secs(40)), || async {
+    let done = wait_until(scaled(Duration::from_secs(60)), || async {
         rig.ledger_rows() >= n as i64 && rig.queue_len(&rig.queue).await == 0
     })
     .await;
