@@ -835,3 +835,21 @@ async fn two_consumers_on_one_queue_apply_each_event_once() {
     );
     eprintln!("applied {applied_a} + {applied_b}, duplicates {dup_a} + {dup_b}");
 }
+
+#[tokio::test]
+async fn setup_installs_the_inbox() {
+    let pg = Postgres::shared();
+    let ob =
+        crate::support::Outbox::new_without_queue(pg, &RabbitMq::shared().url(), "inbox_setup")
+            .await;
+    assert_eq!(
+        ob.sql(
+            "SELECT to_regclass('outbox.inbox') IS NOT NULL
+                AND to_regprocedure('outbox.inbox_claim(text, text, text)') IS NOT NULL
+                AND to_regprocedure('outbox.inbox_purge(interval, integer)') IS NOT NULL"
+        )
+        .trim(),
+        "t"
+    );
+    assert_eq!(ob.sql("SELECT outbox.inbox_claim('c', 'm')").trim(), "t");
+}
