@@ -28,6 +28,7 @@ pub mod config;
 pub mod config_file;
 pub mod envelope;
 pub mod error;
+pub mod inbox;
 pub mod lockdown;
 pub mod lsn;
 pub mod metrics;

@@ -15,6 +15,7 @@ mod faults;
 mod gaps;
 mod hardening;
 mod harness_smoke;
+mod inbox;
 mod lifecycle;
 mod lockdown;
 mod observability;

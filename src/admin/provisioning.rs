@@ -87,7 +87,8 @@ pub enum SlotFailover {
 /// The first PostgreSQL version (`server_version_num`) with failover slots.
 pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
 
-/// Installs `sql/outbox.sql` and `sql/stream_state.sql`, creates the publication (no
+/// Installs `sql/outbox.sql`, `sql/stream_state.sql` and `sql/inbox.sql` (the consumer-side
+/// inbox, [`crate::inbox`]), creates the publication (no
 /// tables) and the pgoutput slot when missing (with `failover` on PostgreSQL 17+ when
 /// asked). Idempotent.
 ///
@@ -125,6 +126,10 @@ pub async fn setup(
         .batch_execute(crate::stream_state::STREAM_STATE_SQL)
         .await
         .map_err(|e| Error::sql("installing sql/stream_state.sql", e))?;
+    client
+        .batch_execute(crate::inbox::INBOX_SQL)
+        .await
+        .map_err(|e| Error::sql("installing sql/inbox.sql", e))?;
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client
