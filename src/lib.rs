@@ -30,6 +30,7 @@ pub mod error;
 pub mod lockdown;
 pub mod lsn;
 pub mod metrics;
+pub mod outbox_schema;
 pub mod pem;
 pub mod pgoutput;
 pub mod pipeline;

@@ -15,6 +15,7 @@ mod hardening;
 mod harness_smoke;
 mod lifecycle;
 mod lockdown;
+mod outboxes;
 mod observability;
 mod operations;
 mod pg_tls;
