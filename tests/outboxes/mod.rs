@@ -279,7 +279,7 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|m| m["envelope"]["message_id"].as_str().unwrap_or("-"))
+            .map(|m| m["message_id"].as_str().unwrap_or("-"))
             .collect();
         if ids.len() == 3 || std::time::Instant::now() > deadline {
             assert_eq!(ids, ["waiting-billing-1", "waiting-billing-2", "waiting-billing-3"]);
@@ -287,14 +287,24 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let out = shipping.cli(&["status", "--json"]);
-    let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    // status reads only flushed WAL (asynchronous commits show up within wal_writer_delay).
+    let status = |cli: &dyn Fn() -> std::process::Output, pending: i64| {
+        let deadline = std::time::Instant::now() + scaled(Duration::from_secs(10));
+        loop {
+            let out = cli();
+            let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+            if json["pending_outbox_messages"] == pending || std::time::Instant::now() > deadline {
+                return json;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let json = status(&|| shipping.cli(&["status", "--json"]), 2);
     assert_eq!(json["schema"], shipping.schema.as_str(), "{json}");
     assert_eq!(json["prefix"], shipping.prefix.as_str(), "{json}");
     assert_eq!(json["pending_outbox_messages"], 2, "{json}");
     assert_eq!(json["dead_letters"], 1, "{json}");
-    let out = ob.cli(&["status", "--json", "--publication", &ob.publication]);
-    let json: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let json = status(&|| ob.cli(&["status", "--json", "--publication", &ob.publication]), 1);
     assert_eq!(json["prefix"], "pgoutbox", "{json}");
     assert_eq!(json["pending_outbox_messages"], 1, "{json}");
     assert_eq!(json["dead_letters"], 0, "{json}");
