@@ -253,10 +253,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         Ok(prefix) => out.push(finding(
             Severity::Ok,
             "outbox",
-            format!(
-                "schema {}, prefix {prefix}",
-                config.schema
-            ),
+            format!("schema {}, prefix {prefix}", config.schema),
         )),
         Err(e) => out.push(finding(Severity::Problem, "outbox", report(&e))),
     }

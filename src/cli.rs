@@ -98,7 +98,9 @@ impl DeadLetterDb {
     ///
     /// # Errors
     /// [`crate::config::ValidationError`] naming `--schema`.
-    pub fn schema(&self) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
         crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
     }
 }
@@ -296,7 +298,9 @@ impl DbArgs {
     ///
     /// # Errors
     /// [`crate::config::ValidationError`] naming `--schema`.
-    pub fn schema(&self) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
         crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
     }
 }

@@ -229,13 +229,9 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             )
             .await?;
             if args.create_roles {
-                let roles = admin::create_roles(
-                    &client,
-                    &schema,
-                    &args.streamer_role,
-                    &args.producer_role,
-                )
-                .await?;
+                let roles =
+                    admin::create_roles(&client, &schema, &args.streamer_role, &args.producer_role)
+                        .await?;
                 for (role, what) in [
                     (&args.streamer_role, "streamer role, LOGIN REPLICATION"),
                     (&args.producer_role, "producer role, NOLOGIN"),
@@ -297,8 +293,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             let client = admin::connect(&args.db.url.config()?).await?;
             let force = if args.force { Force::Yes } else { Force::No };
             let report =
-                admin::teardown(&client, &schema, &args.db.slot, &args.publication, force)
-                    .await?;
+                admin::teardown(&client, &schema, &args.db.slot, &args.publication, force).await?;
             println!(
                 "teardown done: slot {} {}, publication {} {}",
                 args.db.slot,
@@ -470,7 +465,10 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
     } else {
         let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         let num = |v: Option<i64>| or_dash(v.map(|n| n.to_string()));
-        println!("outbox:                 schema {}, prefix {}", r.schema, r.prefix);
+        println!(
+            "outbox:                 schema {}, prefix {}",
+            r.schema, r.prefix
+        );
         println!(
             "slot:                   {}{}",
             r.slot,

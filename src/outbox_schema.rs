@@ -90,7 +90,9 @@ impl SchemaName {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
         {
-            return Err(bad("use 1 to 63 characters of a-z, 0-9 and _ (a schema name that never needs quoting)"));
+            return Err(bad(
+                "use 1 to 63 characters of a-z, 0-9 and _ (a schema name that never needs quoting)",
+            ));
         }
         if value.as_bytes()[0].is_ascii_digit() {
             return Err(bad("must not start with a digit; start it with a-z or _"));
@@ -327,7 +329,10 @@ mod tests {
             let object = tail.starts_with('.')
                 && !KEPT_SETTINGS.iter().any(|s| {
                     tail[1..].starts_with(s)
-                        && !tail.as_bytes().get(1 + s.len()).is_some_and(|c| is_ident_byte(*c))
+                        && !tail
+                            .as_bytes()
+                            .get(1 + s.len())
+                            .is_some_and(|c| is_ident_byte(*c))
                 });
             let schema_word = follows_schema_keyword(&code[..at])
                 && !tail.as_bytes().first().is_some_and(|c| is_ident_byte(*c));
@@ -362,8 +367,14 @@ mod tests {
         }
         assert!(schema("outbox").is_default());
         assert_eq!(schema("billing").quoted(), "\"billing\"");
-        assert_eq!(schema("billing").qualify("dead_letter"), "\"billing\".dead_letter");
-        assert_eq!(SchemaName::default().qualify("dead_letter"), "outbox.dead_letter");
+        assert_eq!(
+            schema("billing").qualify("dead_letter"),
+            "\"billing\".dead_letter"
+        );
+        assert_eq!(
+            SchemaName::default().qualify("dead_letter"),
+            "outbox.dead_letter"
+        );
     }
 
     #[test]
@@ -371,7 +382,15 @@ mod tests {
         for ok in ["pgoutbox", "billing", "svc.orders:v1", "A-b_c"] {
             assert_eq!(prefix(ok).as_str(), ok);
         }
-        for bad in ["", "pgoutbox.lockdown", "a'b", "a\\b", "a b", "a\0b", &"p".repeat(256)] {
+        for bad in [
+            "",
+            "pgoutbox.lockdown",
+            "a'b",
+            "a\\b",
+            "a b",
+            "a\0b",
+            &"p".repeat(256),
+        ] {
             let e = MessagePrefix::parse("--prefix", bad).unwrap_err();
             assert_eq!(e.setting, "--prefix");
             assert!(e.to_string().contains("--prefix (PGOUTBOX_PREFIX)"), "{e}");
@@ -382,8 +401,15 @@ mod tests {
 
     #[test]
     fn the_default_outbox_runs_its_sql_unchanged() {
-        for sql in [crate::admin::OUTBOX_SQL, crate::stream_state::STREAM_STATE_SQL, SETTINGS_SQL] {
-            assert_eq!(install_sql(sql, &SchemaName::default(), &MessagePrefix::default()), sql);
+        for sql in [
+            crate::admin::OUTBOX_SQL,
+            crate::stream_state::STREAM_STATE_SQL,
+            SETTINGS_SQL,
+        ] {
+            assert_eq!(
+                install_sql(sql, &SchemaName::default(), &MessagePrefix::default()),
+                sql
+            );
         }
     }
 
@@ -393,11 +419,17 @@ mod tests {
         let p = prefix("billing.events");
         for (file, sql) in [
             ("sql/outbox.sql", crate::admin::OUTBOX_SQL),
-            ("sql/stream_state.sql", crate::stream_state::STREAM_STATE_SQL),
+            (
+                "sql/stream_state.sql",
+                crate::stream_state::STREAM_STATE_SQL,
+            ),
             ("sql/settings.sql", SETTINGS_SQL),
             ("sql/roles.sql", crate::admin::provisioning::ROLES_SQL),
         ] {
-            assert!(!references_left(sql).is_empty(), "{file} names schema outbox");
+            assert!(
+                !references_left(sql).is_empty(),
+                "{file} names schema outbox"
+            );
             let out = install_sql(sql, &s, &p);
             assert_eq!(references_left(&out), Vec::<String>::new(), "{file}");
             assert!(out.contains("\"billing\"."), "{file}");
@@ -407,7 +439,10 @@ mod tests {
         let out = install_sql(crate::admin::OUTBOX_SQL, &s, &p);
         assert!(out.contains("CREATE SCHEMA IF NOT EXISTS \"billing\";"));
         assert!(out.contains("pg_logical_emit_message(\n        true,\n        'billing.events',"));
-        assert!(out.contains("x-pgoutbox-"), "reserved header names are kept");
+        assert!(
+            out.contains("x-pgoutbox-"),
+            "reserved header names are kept"
+        );
         // The trace settings (GUCs) keep their names; everything else moves.
         let sample = "SELECT current_setting('outbox.traceparent', true), \
                       current_setting('outbox.tracestate', true), outbox.tracestate_x(), \
@@ -438,7 +473,14 @@ mod tests {
         let e = crate::admin::lockdown::require_default_schema(&schema("billing"), "--lockdown")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--lockdown") && e.contains("billing") && e.contains("schema outbox"), "{e}");
-        assert!(crate::admin::lockdown::require_default_schema(&SchemaName::default(), "--lockdown").is_ok());
+        assert!(
+            e.contains("--lockdown") && e.contains("billing") && e.contains("schema outbox"),
+            "{e}"
+        );
+        assert!(crate::admin::lockdown::require_default_schema(
+            &SchemaName::default(),
+            "--lockdown"
+        )
+        .is_ok());
     }
 }

@@ -32,9 +32,9 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use crate::outbox_schema::SchemaName;
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::outbox_schema::SchemaName;
 use crate::replication::connect::SystemIdentity;
 
 /// The table's DDL, installed by `setup` (idempotent).
@@ -311,10 +311,12 @@ pub async fn load(
 ) -> Result<Option<Recorded>, Error> {
     let row = client
         .query_opt(
-            &*schema.rewrite("SELECT system_identifier, timeline, flush_lsn::text,
+            &*schema.rewrite(
+                "SELECT system_identifier, timeline, flush_lsn::text,
                     to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
                     accepted_gaps::text
-             FROM outbox.stream_state WHERE slot_name = $1"),
+             FROM outbox.stream_state WHERE slot_name = $1",
+            ),
             &[&slot],
         )
         .await;

@@ -35,7 +35,8 @@ pub use inspection::{
 pub use lockdown::{lock, lockdown_state, require_default_schema, unlock, LockdownState};
 pub use provisioning::{
     check_replication_role, check_wal_level, create_roles, outboxes, publication_exists,
-    resolve_prefix, setup, stored_prefix, teardown, RolesReport, SetupReport, TeardownReport, DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
+    resolve_prefix, setup, stored_prefix, teardown, RolesReport, SetupReport, TeardownReport,
+    DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
 };
 
 /// How long an ordinary SQL connection attempt may take when the URL sets no

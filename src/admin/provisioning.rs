@@ -120,7 +120,10 @@ pub async fn outboxes(client: &Client) -> Result<Vec<(String, String)>, Error> {
             continue;
         }
         if let Ok(Some(r)) = client
-            .query_opt(&format!("SELECT message_prefix FROM {quoted}.settings"), &[])
+            .query_opt(
+                &format!("SELECT message_prefix FROM {quoted}.settings"),
+                &[],
+            )
             .await
         {
             found.push((name, r.get(0)));
@@ -318,7 +321,12 @@ pub async fn setup(
             &[&prefix.as_str()],
         )
         .await
-        .map_err(|e| Error::sql(format!("recording the prefix in {}", schema.qualify("settings")), e))?;
+        .map_err(|e| {
+            Error::sql(
+                format!("recording the prefix in {}", schema.qualify("settings")),
+                e,
+            )
+        })?;
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client

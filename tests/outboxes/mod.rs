@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::support::{declare_bound_queue, drain_queue, scaled, unique, Outbox, Postgres, RabbitMq, Streamer};
+use crate::support::{
+    declare_bound_queue, drain_queue, scaled, unique, Outbox, Postgres, RabbitMq, Streamer,
+};
 
 /// A second outbox in the database of a default one (`ob`).
 struct Service<'a> {
@@ -163,7 +165,11 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
     // Each schema holds its helpers writing its own prefix, and its own tables.
     for s in [&billing, &shipping] {
         assert_eq!(
-            ob.sql(&format!("SELECT message_prefix FROM \"{}\".settings", s.schema)).trim(),
+            ob.sql(&format!(
+                "SELECT message_prefix FROM \"{}\".settings",
+                s.schema
+            ))
+            .trim(),
             s.prefix
         );
         let body = ob.sql(&format!(
@@ -171,12 +177,20 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
             s.schema
         ));
         assert!(body.contains(&format!("'{}'", s.prefix)), "{body}");
-        assert!(!body.contains("'pgoutbox'") && !body.contains("outbox._envelope"), "{body}");
+        assert!(
+            !body.contains("'pgoutbox'") && !body.contains("outbox._envelope"),
+            "{body}"
+        );
     }
 
     let streamers = [ob.run(&[]), billing.run(), shipping.run()];
     for st in &streamers {
-        assert!(st.wait_for_log("streaming", scaled(Duration::from_secs(20))).await, "{}", st.log());
+        assert!(
+            st.wait_for_log("streaming", scaled(Duration::from_secs(20)))
+                .await,
+            "{}",
+            st.log()
+        );
     }
 
     // Interleaved: separate transactions per outbox, and one transaction writing to all three.
@@ -228,8 +242,14 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
     assert!(got_default.iter().all(|m| m.exchange == ob.exchange));
 
     // Dead letters in the right schema, none in the default one.
-    assert_eq!(dead_letters(&ob, &billing.schema), vec!["poison|-".to_owned()]);
-    assert_eq!(dead_letters(&ob, &shipping.schema), vec!["poison|-".to_owned()]);
+    assert_eq!(
+        dead_letters(&ob, &billing.schema),
+        vec!["poison|-".to_owned()]
+    );
+    assert_eq!(
+        dead_letters(&ob, &shipping.schema),
+        vec!["poison|-".to_owned()]
+    );
     assert_eq!(dead_letters(&ob, "outbox"), Vec::<String>::new());
 
     // Every slot acknowledged past all of it, the other outboxes' messages included.
@@ -248,8 +268,10 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
         (shipping.schema.as_str(), &shipping.slot),
     ] {
         assert_eq!(
-            ob.sql(&format!("SELECT string_agg(slot_name, ',') FROM \"{schema}\".stream_state"))
-                .trim(),
+            ob.sql(&format!(
+                "SELECT string_agg(slot_name, ',') FROM \"{schema}\".stream_state"
+            ))
+            .trim(),
             slot.as_str(),
             "{schema}.stream_state"
         );
@@ -260,7 +282,9 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
     }
     for st in &streamers {
         assert!(
-            st.wait_exit(scaled(Duration::from_secs(20))).await.is_some_and(|s| s.success()),
+            st.wait_exit(scaled(Duration::from_secs(20)))
+                .await
+                .is_some_and(|s| s.success()),
             "{}",
             st.log()
         );
@@ -282,7 +306,14 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
             .map(|m| m["message_id"].as_str().unwrap_or("-"))
             .collect();
         if ids.len() == 3 || std::time::Instant::now() > deadline {
-            assert_eq!(ids, ["waiting-billing-1", "waiting-billing-2", "waiting-billing-3"]);
+            assert_eq!(
+                ids,
+                [
+                    "waiting-billing-1",
+                    "waiting-billing-2",
+                    "waiting-billing-3"
+                ]
+            );
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -304,7 +335,10 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
     assert_eq!(json["prefix"], shipping.prefix.as_str(), "{json}");
     assert_eq!(json["pending_outbox_messages"], 2, "{json}");
     assert_eq!(json["dead_letters"], 1, "{json}");
-    let json = status(&|| ob.cli(&["status", "--json", "--publication", &ob.publication]), 1);
+    let json = status(
+        &|| ob.cli(&["status", "--json", "--publication", &ob.publication]),
+        1,
+    );
     assert_eq!(json["prefix"], "pgoutbox", "{json}");
     assert_eq!(json["pending_outbox_messages"], 1, "{json}");
     assert_eq!(json["dead_letters"], 0, "{json}");
@@ -315,17 +349,30 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
     let rows: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(rows.as_array().map(Vec::len), Some(1), "{rows}");
     let out = billing.cli(&["dead-letters", "purge", "--all"]);
-    assert!(stdout(&out).contains("purged 1 dead letters"), "{}{}", stdout(&out), stderr(&out));
+    assert!(
+        stdout(&out).contains("purged 1 dead letters"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
     assert_eq!(dead_letters(&ob, &shipping.schema).len(), 1);
 
     // Teardown counts the schema's own waiting messages: shipping has 2, so it refuses.
     let out = shipping.cli(&["teardown"]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("still holds 2 unsent outbox messages"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("still holds 2 unsent outbox messages"),
+        "{}",
+        stderr(&out)
+    );
     let out = billing.cli(&["teardown", "--force"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(
-        ob.sql(&format!("SELECT count(*) FROM \"{}\".stream_state", billing.schema)).trim(),
+        ob.sql(&format!(
+            "SELECT count(*) FROM \"{}\".stream_state",
+            billing.schema
+        ))
+        .trim(),
         "0"
     );
     assert_eq!(
@@ -352,24 +399,40 @@ async fn schemas_and_prefixes_are_validated_and_lockdown_stays_with_the_default_
             assert!(e.contains(n), "{extra:?}: {n:?} not in {e}");
         }
     };
-    refused(&["--schema", "Billing"], &["--schema (PGOUTBOX_SCHEMA)", "\"Billing\"", "a-z"]);
+    refused(
+        &["--schema", "Billing"],
+        &["--schema (PGOUTBOX_SCHEMA)", "\"Billing\"", "a-z"],
+    );
     refused(&["--schema", "pg_billing"], &["--schema", "reserved"]);
-    refused(&["--schema", "billing"], &["--schema billing needs --prefix"]);
+    refused(
+        &["--schema", "billing"],
+        &["--schema billing needs --prefix"],
+    );
     refused(
         &["--schema", "billing", "--prefix", "pgoutbox.lockdown"],
         &["--prefix (PGOUTBOX_PREFIX)", "lockdown markers"],
     );
-    refused(&["--schema", "billing", "--prefix", "it's"], &["--prefix", "A-Z"]);
+    refused(
+        &["--schema", "billing", "--prefix", "it's"],
+        &["--prefix", "A-Z"],
+    );
     refused(
         &["--schema", "billing", "--prefix", "pgoutbox"],
         &["schema outbox already writes prefix pgoutbox"],
     );
     refused(
         &["--schema", "billing", "--prefix", "billing", "--lockdown"],
-        &["--lockdown is supported for the default outbox", "--schema billing"],
+        &[
+            "--lockdown is supported for the default outbox",
+            "--schema billing",
+        ],
     );
     // Nothing was installed by the refusals.
-    assert_eq!(ob.sql("SELECT count(*) FROM pg_namespace WHERE nspname = 'billing'").trim(), "0");
+    assert_eq!(
+        ob.sql("SELECT count(*) FROM pg_namespace WHERE nspname = 'billing'")
+            .trim(),
+        "0"
+    );
 
     let slot = unique("bad_b_slot");
     let run = |args: &[&str]| {
@@ -381,36 +444,103 @@ async fn schemas_and_prefixes_are_validated_and_lockdown_stays_with_the_default_
     };
     let url = ob.url();
     let pubname = unique("bad_b_pub");
-    let base = ["setup", "--database-url", &url, "--slot", &slot, "--publication", &pubname, "--schema", "billing"];
+    let base = [
+        "setup",
+        "--database-url",
+        &url,
+        "--slot",
+        &slot,
+        "--publication",
+        &pubname,
+        "--schema",
+        "billing",
+    ];
     let out = run(&[&base[..], &["--prefix", "billing"]].concat());
     assert!(out.status.success(), "{}", stderr(&out));
     // Again without --prefix: the stored one.
     let out = run(&base);
-    assert!(stdout(&out).contains("schema billing, prefix billing"), "{}{}", stdout(&out), stderr(&out));
-    // Another prefix for the same schema is refused.
-    let out = run(&[&base[..], &["--prefix", "billing2"]].concat());
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("writes prefix billing"), "{}", stderr(&out));
-    // And another schema may not take billing's prefix.
-    let out = run(&[
-        "setup", "--database-url", &url, "--slot", &unique("bad_c_slot"), "--publication", &pubname,
-        "--schema", "other", "--prefix", "billing",
-    ]);
-    assert!(stderr(&out).contains("schema billing already writes prefix billing"), "{}", stderr(&out));
-    // run/check on a schema that was never set up name the fix.
-    let out = run(&[
-        "check", "--database-url", &url, "--amqp-url", &ob.amqp_url, "--slot", &slot,
-        "--publication", &pubname, "--schema", "nosuch",
-    ]);
-    assert!(!out.status.success());
     assert!(
-        stdout(&out).contains("setup --schema nosuch --prefix NAME") || stderr(&out).contains("setup --schema nosuch --prefix NAME"),
+        stdout(&out).contains("schema billing, prefix billing"),
         "{}{}",
         stdout(&out),
         stderr(&out)
     );
-    let out = run(&["setup", "--database-url", &url, "--slot", &slot, "--publication", &pubname, "--schema", "billing", "--unlock"]);
-    assert!(stderr(&out).contains("--unlock is supported for the default outbox"), "{}", stderr(&out));
-    let out = run(&["teardown", "--database-url", &url, "--slot", &slot, "--publication", &pubname, "--schema", "billing"]);
+    // Another prefix for the same schema is refused.
+    let out = run(&[&base[..], &["--prefix", "billing2"]].concat());
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("writes prefix billing"),
+        "{}",
+        stderr(&out)
+    );
+    // And another schema may not take billing's prefix.
+    let out = run(&[
+        "setup",
+        "--database-url",
+        &url,
+        "--slot",
+        &unique("bad_c_slot"),
+        "--publication",
+        &pubname,
+        "--schema",
+        "other",
+        "--prefix",
+        "billing",
+    ]);
+    assert!(
+        stderr(&out).contains("schema billing already writes prefix billing"),
+        "{}",
+        stderr(&out)
+    );
+    // run/check on a schema that was never set up name the fix.
+    let out = run(&[
+        "check",
+        "--database-url",
+        &url,
+        "--amqp-url",
+        &ob.amqp_url,
+        "--slot",
+        &slot,
+        "--publication",
+        &pubname,
+        "--schema",
+        "nosuch",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stdout(&out).contains("setup --schema nosuch --prefix NAME")
+            || stderr(&out).contains("setup --schema nosuch --prefix NAME"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let out = run(&[
+        "setup",
+        "--database-url",
+        &url,
+        "--slot",
+        &slot,
+        "--publication",
+        &pubname,
+        "--schema",
+        "billing",
+        "--unlock",
+    ]);
+    assert!(
+        stderr(&out).contains("--unlock is supported for the default outbox"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&[
+        "teardown",
+        "--database-url",
+        &url,
+        "--slot",
+        &slot,
+        "--publication",
+        &pubname,
+        "--schema",
+        "billing",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
