@@ -277,10 +277,18 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         )),
         Err(e) => out.push(finding(Severity::Problem, "publication", report(&e))),
     }
+    match admin::resolve_prefix(&client, &config.schema, config.prefix.as_ref()).await {
+        Ok(prefix) => out.push(finding(
+            Severity::Ok,
+            "outbox",
+            format!("schema {}, prefix {prefix}", config.schema),
+        )),
+        Err(e) => out.push(finding(Severity::Problem, "outbox", report(&e))),
+    }
     precondition(
         out,
         "dead letters",
-        admin::check_dead_letter_privileges(&client, slot).await,
+        admin::check_dead_letter_privileges(&client, &config.schema, slot).await,
     );
     if keep == "-1" {
         out.push(finding(

@@ -88,6 +88,21 @@ pub struct DeadLetterDb {
     /// The connection string and where it comes from.
     #[command(flatten)]
     pub url: PgUrlArgs,
+    /// The outbox's schema (its dead_letter table).
+    #[arg(long, env = "PGOUTBOX_SCHEMA", default_value = crate::outbox_schema::DEFAULT_SCHEMA)]
+    pub schema: String,
+}
+
+impl DeadLetterDb {
+    /// The validated `--schema`.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming `--schema`.
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+        crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
+    }
 }
 
 /// The PostgreSQL connection string: given, or read from a file, with the password perhaps
@@ -271,6 +286,23 @@ pub struct DbArgs {
     /// Logical replication slot name.
     #[arg(long, env = "PGOUTBOX_SLOT", default_value = DEFAULT_SLOT)]
     pub slot: String,
+    /// The outbox's schema: its producer helpers, dead letters, stream state and prefix
+    /// setting live there. Several outboxes can share a database, each with its own schema,
+    /// prefix, slot and publication (1 to 63 of a-z, 0-9, _).
+    #[arg(long, env = "PGOUTBOX_SCHEMA", default_value = crate::outbox_schema::DEFAULT_SCHEMA)]
+    pub schema: String,
+}
+
+impl DbArgs {
+    /// The validated `--schema`.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming `--schema`.
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+        crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
+    }
 }
 
 /// `setup` arguments.
@@ -282,6 +314,11 @@ pub struct SetupArgs {
     /// Publication name (created empty: logical messages need no tables).
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,
+    /// The logical-message prefix the schema's helpers write, stored in its settings table
+    /// for `run` (1 to 255 of A-Za-z0-9._:-). Default: the stored one, else pgoutbox for
+    /// schema outbox; another schema must name its own on first setup.
+    #[arg(long, env = "PGOUTBOX_PREFIX")]
+    pub prefix: Option<String>,
     /// Also lock the database down (sql/lockdown.sql, needs a superuser): revoke EXECUTE on
     /// pg_logical_emit_message from PUBLIC, so outbox.emit/emit_bytes (SECURITY DEFINER,
     /// owned by the NOLOGIN role pgoutbox_emitter) are the only way to write an outbox
@@ -371,6 +408,11 @@ pub struct RunArgs {
     /// reason exchange_not_found. For users without configure permission.
     #[arg(long, env = "PGOUTBOX_NO_DECLARE")]
     pub no_declare: bool,
+    /// Publish only logical messages with this prefix (default: the one `setup` stored in
+    /// the --schema's settings table; pgoutbox for schema outbox set up by an older
+    /// version). Messages with other prefixes are acknowledged without publishing.
+    #[arg(long, env = "PGOUTBOX_PREFIX")]
+    pub prefix: Option<String>,
     /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
     /// confirmed behind an earlier unconfirmed one), 1 to 1000000. A transaction is
     /// acknowledged whole, so one larger than the window is still read to its end.
@@ -544,6 +586,12 @@ impl RunArgs {
                 AmqpUrlOrderArg::InOrder => crate::config::AmqpUrlOrder::InOrder,
                 AmqpUrlOrderArg::Shuffle => crate::config::AmqpUrlOrder::Shuffle,
             },
+            schema: self.db.schema()?,
+            prefix: self
+                .prefix
+                .as_deref()
+                .map(|p| crate::outbox_schema::MessagePrefix::parse("--prefix", p))
+                .transpose()?,
             slot: self.db.slot,
             publication: self.publication,
             exchange: self.exchange,

@@ -241,8 +241,9 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_POSTGRES_LOSS_DRAIN: Duration = Duration::from_secs(5);
 /// Largest `--postgres-loss-drain-ms`: ten minutes; the reconnect waits that long at worst.
 pub const POSTGRES_LOSS_DRAIN_CAP: Duration = Duration::from_secs(600);
-/// The logical decoding message prefix of our envelopes.
-pub const MESSAGE_PREFIX: &str = "pgoutbox";
+/// The logical decoding message prefix of the default outbox's envelopes (another outbox
+/// stores its own: [`crate::outbox_schema`]).
+pub const MESSAGE_PREFIX: &str = crate::outbox_schema::DEFAULT_PREFIX;
 
 /// Options that select what one invocation acts on (or how it prints) rather than
 /// configure pgoutbox: they read no environment variable.
@@ -582,6 +583,12 @@ pub struct RunConfig {
     pub amqp_url_order: AmqpUrlOrder,
     /// Logical replication slot (pgoutput).
     pub slot: String,
+    /// The outbox's schema (`--schema`): where its dead letters, stream state and prefix
+    /// setting live.
+    pub schema: crate::outbox_schema::SchemaName,
+    /// The logical-message prefix to publish (`--prefix`); `None`: the one `setup` stored
+    /// in the schema's `settings` table (`pgoutbox` for schema `outbox` without one).
+    pub prefix: Option<crate::outbox_schema::MessagePrefix>,
     /// Publication named in `publication_names`.
     pub publication: String,
     /// Durable topic exchange messages are published to when their producer named none.
@@ -655,6 +662,8 @@ impl std::fmt::Debug for RunConfig {
             )
             .field("amqp_url_order", &self.amqp_url_order)
             .field("slot", &self.slot)
+            .field("schema", &self.schema)
+            .field("prefix", &self.prefix)
             .field("publication", &self.publication)
             .field("exchange", &self.exchange)
             .field("allowed_exchanges", &self.allowed_exchanges)
@@ -1118,6 +1127,8 @@ mod tests {
             amqp_urls: vec!["amqp://g:g@h/%2f".into()],
             amqp_url_order: AmqpUrlOrder::InOrder,
             slot: DEFAULT_SLOT.into(),
+            schema: crate::outbox_schema::SchemaName::default(),
+            prefix: None,
             publication: DEFAULT_PUBLICATION.into(),
             exchange: DEFAULT_EXCHANGE.into(),
             allowed_exchanges: AllowedExchanges::Any,

@@ -41,6 +41,10 @@ pub struct FileSettings {
     pub amqp_key_file: Option<PathBuf>,
     /// `--slot`.
     pub slot: Option<String>,
+    /// `--schema`.
+    pub schema: Option<String>,
+    /// `--prefix`.
+    pub prefix: Option<String>,
     /// `--amqp-url`: one URL (which may be a comma-separated list) or an array of them,
     /// one per node of a cluster.
     pub amqp_url: Option<OneOrMany>,
@@ -157,6 +161,8 @@ const KEYS: &[(&str, &str)] = &[
     ("amqp_cert_file", "a string, the path of a PEM file"),
     ("amqp_key_file", "a string, the path of a PEM file"),
     ("slot", "a string of a-z, 0-9 and _"),
+    ("schema", "a string of a-z, 0-9 and _"),
+    ("prefix", "a string of A-Z, a-z, 0-9, '.', '_', ':' and '-'"),
     (
         "amqp_url",
         "a string, amqp://user:password@host:port/vhost, or an array of them (one per node)",
@@ -436,6 +442,8 @@ fn merge(
                 database_url_file => args.db.url.database_url_file, Some;
                 database_password_file => args.db.url.database_password_file, Some;
                 slot => args.db.slot, same;
+                schema => args.db.schema, same;
+                prefix => args.prefix, Some;
                 amqp_url => args.amqp_url, OneOrMany::into_vec;
                 amqp_url_order => args.amqp_url_order, same;
                 amqp_url_file => args.amqp_url_file, Some;

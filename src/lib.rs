@@ -32,6 +32,7 @@ pub mod inbox;
 pub mod lockdown;
 pub mod lsn;
 pub mod metrics;
+pub mod outbox_schema;
 pub mod pem;
 pub mod pgoutput;
 pub mod pipeline;

@@ -195,8 +195,20 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         Command::Setup(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
+            let schema = args.db.schema()?;
+            let prefix = args
+                .prefix
+                .as_deref()
+                .map(|p| pgoutbox::outbox_schema::MessagePrefix::parse("--prefix", p))
+                .transpose()?;
+            // Before anything changes: --lockdown / --unlock are the default outbox's and
+            // need a superuser.
+            if args.lockdown {
+                admin::require_default_schema(&schema, "--lockdown")?;
+            } else if args.unlock {
+                admin::require_default_schema(&schema, "--unlock")?;
+            }
             let client = admin::connect(&args.db.url.config()?).await?;
-            // Before anything changes: --lockdown / --unlock need a superuser.
             if args.lockdown {
                 admin::lockdown::require_superuser(&client, "--lockdown").await?;
             } else if args.unlock {
@@ -207,10 +219,19 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             } else {
                 admin::provisioning::SlotFailover::Off
             };
-            let report = admin::setup(&client, &args.db.slot, &args.publication, failover).await?;
+            let report = admin::setup(
+                &client,
+                &schema,
+                prefix.as_ref(),
+                &args.db.slot,
+                &args.publication,
+                failover,
+            )
+            .await?;
             if args.create_roles {
                 let roles =
-                    admin::create_roles(&client, &args.streamer_role, &args.producer_role).await?;
+                    admin::create_roles(&client, &schema, &args.streamer_role, &args.producer_role)
+                        .await?;
                 for (role, what) in [
                     (&args.streamer_role, "streamer role, LOGIN REPLICATION"),
                     (&args.producer_role, "producer role, NOLOGIN"),
@@ -225,8 +246,18 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
                     );
                 }
             }
+            if !schema.is_default()
+                && admin::lockdown_state(&client)
+                    .await
+                    .is_ok_and(|l| l.enabled)
+            {
+                eprintln!(
+                    "warning: this database is locked down (setup --lockdown of schema outbox): pg_logical_emit_message is revoked from PUBLIC, so only superusers can emit through the helpers of schema {schema}; run setup --unlock to let its producers emit"
+                );
+            }
             println!(
-                "setup done: slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
+                "setup done: schema {schema}, prefix {}, slot {} ({}), publication {} ({}), confirmed_flush_lsn {}",
+                report.prefix,
                 args.db.slot,
                 if report.slot_created {
                     "created"
@@ -258,9 +289,11 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         Command::Teardown(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
+            let schema = args.db.schema()?;
             let client = admin::connect(&args.db.url.config()?).await?;
             let force = if args.force { Force::Yes } else { Force::No };
-            let report = admin::teardown(&client, &args.db.slot, &args.publication, force).await?;
+            let report =
+                admin::teardown(&client, &schema, &args.db.slot, &args.publication, force).await?;
             println!(
                 "teardown done: slot {} {}, publication {} {}",
                 args.db.slot,
@@ -326,8 +359,9 @@ async fn wait_for_signal() {
 async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
     match cmd {
         DeadLetterCommand::List(args) => {
+            let schema = args.db.schema()?;
             let client = admin::connect(&args.db.url.config()?).await?;
-            let rows = admin::list_dead_letters(&client, args.all, args.limit).await?;
+            let rows = admin::list_dead_letters(&client, &schema, args.all, args.limit).await?;
             if args.json {
                 println!("{}", serde_json::to_string(&rows).unwrap_or_default());
             } else if rows.is_empty() {
@@ -353,13 +387,16 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
         DeadLetterCommand::Requeue(args) => {
+            let schema = args.db.schema()?;
             let mut client = admin::connect(&args.db.url.config()?).await?;
             let selection = if args.all {
                 admin::Selection::All
             } else {
                 admin::Selection::Ids(args.id)
             };
-            let ids = admin::requeue_dead_letters(&mut client, &selection).await?;
+            let prefix = admin::resolve_prefix(&client, &schema, None).await?;
+            let ids =
+                admin::requeue_dead_letters(&mut client, &schema, &prefix, &selection).await?;
             println!(
                 "requeued {} dead letters{}",
                 ids.len(),
@@ -378,13 +415,14 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
         DeadLetterCommand::Purge(args) => {
+            let schema = args.db.schema()?;
             let client = admin::connect(&args.db.url.config()?).await?;
             let selection = match (args.all, args.older_than) {
                 (true, _) => admin::Selection::All,
                 (false, Some(secs)) => admin::Selection::OlderThanSecs(secs),
                 (false, None) => admin::Selection::Ids(args.id),
             };
-            let n = admin::purge_dead_letters(&client, &selection).await?;
+            let n = admin::purge_dead_letters(&client, &schema, &selection).await?;
             println!("purged {n} dead letters");
             Ok(())
         }
@@ -396,6 +434,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
 async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
     validate_identifier("--slot", &args.db.slot)?;
     validate_identifier("--publication", &args.publication)?;
+    let schema = args.db.schema()?;
     if args.crit_lag_bytes < args.warn_lag_bytes {
         return Err(Error::Config(pgoutbox::config::ValidationError {
             setting: "--crit-lag-bytes",
@@ -411,12 +450,25 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
         warn_bytes: args.warn_lag_bytes,
         crit_bytes: args.crit_lag_bytes,
     };
-    let r = admin::health(&mut client, &args.db.slot, &args.publication, lag).await?;
+    let prefix = admin::resolve_prefix(&client, &schema, None).await?;
+    let r = admin::health(
+        &mut client,
+        &schema,
+        &prefix,
+        &args.db.slot,
+        &args.publication,
+        lag,
+    )
+    .await?;
     if args.json {
         println!("{}", serde_json::to_string(&r).unwrap_or_default());
     } else {
         let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         let num = |v: Option<i64>| or_dash(v.map(|n| n.to_string()));
+        println!(
+            "outbox:                 schema {}, prefix {}",
+            r.schema, r.prefix
+        );
         println!(
             "slot:                   {}{}",
             r.slot,
@@ -540,7 +592,9 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
 async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
     validate_identifier("--slot", &args.db.slot)?;
     validate_identifier("--publication", &args.publication)?;
+    let schema = args.db.schema()?;
     let mut client = admin::connect(&args.db.url.config()?).await?;
+    let prefix = admin::resolve_prefix(&client, &schema, None).await?;
     let payloads = if args.payload {
         admin::Payloads::Include
     } else {
@@ -550,6 +604,7 @@ async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
         &mut client,
         &args.db.slot,
         &args.publication,
+        &prefix,
         args.limit,
         payloads,
     )

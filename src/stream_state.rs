@@ -34,6 +34,7 @@ use tokio_postgres::Client;
 
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::outbox_schema::SchemaName;
 use crate::replication::connect::SystemIdentity;
 
 /// The table's DDL, installed by `setup` (idempotent).
@@ -275,24 +276,27 @@ pub fn resume_position(
 /// # Errors
 /// [`Error::Precondition`] naming the fix (`pgoutbox setup` again) when it is missing and
 /// cannot be created; [`Error::Sql`].
-pub async fn ensure_table(client: &Client) -> Result<(), Error> {
+pub async fn ensure_table(client: &Client, schema: &SchemaName) -> Result<(), Error> {
     let exists: bool = client
-        .query_one("SELECT to_regclass('outbox.stream_state') IS NOT NULL", &[])
+        .query_one(
+            &*schema.rewrite("SELECT to_regclass('outbox.stream_state') IS NOT NULL"),
+            &[],
+        )
         .await
-        .map_err(|e| Error::sql("looking up outbox.stream_state", e))?
+        .map_err(|e| Error::sql(schema.rewrite("looking up outbox.stream_state"), e))?
         .get(0);
     if exists {
         return Ok(());
     }
-    match client.batch_execute(STREAM_STATE_SQL).await {
+    match client.batch_execute(&schema.rewrite(STREAM_STATE_SQL)).await {
         Ok(()) => {
-            tracing::info!("created outbox.stream_state (this database was set up by an older pgoutbox)");
+            tracing::info!(schema = %schema, "created the stream_state table (this database was set up by an older pgoutbox)");
             Ok(())
         }
-        Err(e) => Err(Error::Precondition(format!(
+        Err(e) => Err(Error::Precondition(schema.rewrite(&format!(
             "table outbox.stream_state is missing (this database was set up by an older pgoutbox) and this role cannot create it ({}): run `pgoutbox setup` again (as the role that ran it before), then start `run`",
             e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())
-        ))),
+        )).into_owned())),
     }
 }
 
@@ -300,13 +304,19 @@ pub async fn ensure_table(client: &Client) -> Result<(), Error> {
 ///
 /// # Errors
 /// [`Error::Sql`].
-pub async fn load(client: &Client, slot: &str) -> Result<Option<Recorded>, Error> {
+pub async fn load(
+    client: &Client,
+    schema: &SchemaName,
+    slot: &str,
+) -> Result<Option<Recorded>, Error> {
     let row = client
         .query_opt(
-            "SELECT system_identifier, timeline, flush_lsn::text,
+            &*schema.rewrite(
+                "SELECT system_identifier, timeline, flush_lsn::text,
                     to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
                     accepted_gaps::text
              FROM outbox.stream_state WHERE slot_name = $1",
+            ),
             &[&slot],
         )
         .await;
@@ -314,7 +324,7 @@ pub async fn load(client: &Client, slot: &str) -> Result<Option<Recorded>, Error
         Ok(row) => row,
         // 42P01: no table (a database set up by an older version).
         Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => return Ok(None),
-        Err(e) => return Err(Error::sql("reading outbox.stream_state", e)),
+        Err(e) => return Err(Error::sql(schema.rewrite("reading outbox.stream_state"), e)),
     };
     let Some(row) = row else {
         return Ok(None);
@@ -339,6 +349,7 @@ pub async fn load(client: &Client, slot: &str) -> Result<Option<Recorded>, Error
 /// [`Error::Sql`].
 pub async fn record_start(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     identity: &SystemIdentity,
     flush: Lsn,
@@ -357,7 +368,7 @@ pub async fn record_start(
     let timeline = i32::try_from(identity.timeline).unwrap_or(i32::MAX);
     client
         .execute(
-            "INSERT INTO outbox.stream_state AS s
+            &*schema.rewrite("INSERT INTO outbox.stream_state AS s
                  (slot_name, system_identifier, timeline, flush_lsn, updated_at, accepted_gaps)
              VALUES ($1, $2, $3, $4::text::pg_lsn, now(),
                      (SELECT coalesce(jsonb_agg(g || jsonb_build_object('accepted_at',
@@ -368,7 +379,7 @@ pub async fn record_start(
                  timeline = EXCLUDED.timeline,
                  flush_lsn = EXCLUDED.flush_lsn,
                  updated_at = EXCLUDED.updated_at,
-                 accepted_gaps = s.accepted_gaps || EXCLUDED.accepted_gaps",
+                 accepted_gaps = s.accepted_gaps || EXCLUDED.accepted_gaps"),
             &[
                 &slot,
                 &identity.system_id,
@@ -380,12 +391,12 @@ pub async fn record_start(
         .await
         .map_err(|e| {
             if e.code().is_some_and(|c| c.code() == "42501") {
-                return Error::Precondition(format!(
+                return Error::Precondition(schema.rewrite(&format!(
                     "this role may not write outbox.stream_state ({}); as the owner of schema outbox or a superuser, run: GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO <the role pgoutbox runs as> (sql/roles.example.sql grants the same)",
                     e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_default()
-                ));
+                )).into_owned());
             }
-            Error::sql("writing outbox.stream_state at session start", e)
+            Error::sql(schema.rewrite("writing outbox.stream_state at session start"), e)
         })?;
     Ok(())
 }
@@ -394,15 +405,22 @@ pub async fn record_start(
 ///
 /// # Errors
 /// [`Error::Sql`].
-pub async fn record_flush(client: &Client, slot: &str, flush: Lsn) -> Result<(), Error> {
+pub async fn record_flush(
+    client: &Client,
+    schema: &SchemaName,
+    slot: &str,
+    flush: Lsn,
+) -> Result<(), Error> {
     client
         .execute(
-            "UPDATE outbox.stream_state SET flush_lsn = $2::text::pg_lsn, updated_at = now()
+            &*schema.rewrite(
+                "UPDATE outbox.stream_state SET flush_lsn = $2::text::pg_lsn, updated_at = now()
              WHERE slot_name = $1 AND flush_lsn < $2::text::pg_lsn",
+            ),
             &[&slot, &flush.to_string()],
         )
         .await
-        .map_err(|e| Error::sql("writing outbox.stream_state", e))?;
+        .map_err(|e| Error::sql(schema.rewrite("writing outbox.stream_state"), e))?;
     Ok(())
 }
 
@@ -410,10 +428,10 @@ pub async fn record_flush(client: &Client, slot: &str, flush: Lsn) -> Result<(),
 ///
 /// # Errors
 /// [`Error::Sql`].
-pub async fn forget(client: &Client, slot: &str) -> Result<(), Error> {
+pub async fn forget(client: &Client, schema: &SchemaName, slot: &str) -> Result<(), Error> {
     match client
         .execute(
-            "DELETE FROM outbox.stream_state WHERE slot_name = $1",
+            &*schema.rewrite("DELETE FROM outbox.stream_state WHERE slot_name = $1"),
             &[&slot],
         )
         .await
@@ -421,7 +439,7 @@ pub async fn forget(client: &Client, slot: &str) -> Result<(), Error> {
         Ok(_) => Ok(()),
         Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => Ok(()),
         Err(e) => Err(Error::sql(
-            "deleting the slot's row in outbox.stream_state",
+            schema.rewrite("deleting the slot's row in outbox.stream_state"),
             e,
         )),
     }
@@ -435,6 +453,7 @@ pub async fn forget(client: &Client, slot: &str) -> Result<(), Error> {
 /// [`Error::Sql`] when the record cannot be read.
 pub async fn start_hint(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     resume: Option<Lsn>,
     seen: Option<&SeenHistory>,
@@ -443,7 +462,7 @@ pub async fn start_hint(
     let Some(at) = resume else {
         return Ok(Lsn::ZERO);
     };
-    let record = load(client, slot).await?.map(|r| r.flush_lsn);
+    let record = load(client, schema, slot).await?.map(|r| r.flush_lsn);
     Ok(match resume_position(resume, seen, identity, record) {
         Ok(kept) => kept.unwrap_or(Lsn::ZERO),
         Err(why) => {
@@ -475,12 +494,13 @@ pub async fn session_start(
     start: Lsn,
 ) -> Result<(FlushGate, RecordedHandle), Error> {
     let slot = config.slot.as_str();
+    let schema = &config.schema;
     // Like the dead letters: never wait for a synchronous standby that may be us.
     client
         .batch_execute("SET synchronous_commit = local")
         .await
         .map_err(|e| Error::sql("setting synchronous_commit for outbox.stream_state", e))?;
-    let record = load(&client, slot).await?;
+    let record = load(&client, schema, slot).await?;
     let mut accepted = None;
     match assess(slot, slot_lsn, identity, record.as_ref()) {
         Verdict::Continuous => {}
@@ -505,8 +525,8 @@ pub async fn session_start(
             accepted = Some(gap);
         }
     }
-    record_start(&client, slot, identity, start, accepted.as_ref()).await?;
-    Ok(recorder(client, slot.to_owned(), start))
+    record_start(&client, schema, slot, identity, start, accepted.as_ref()).await?;
+    Ok(recorder(client, schema.clone(), slot.to_owned(), start))
 }
 
 /// A gap `status` sees before `run` does, for its report.
@@ -530,10 +550,11 @@ pub struct GapReport {
 /// [`Error::Sql`] when the record cannot be read.
 pub async fn inspect(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     confirmed_flush_lsn: Option<&str>,
 ) -> Result<(Option<Recorded>, Option<GapReport>), Error> {
-    let Some(record) = load(client, slot).await? else {
+    let Some(record) = load(client, schema, slot).await? else {
         return Ok((None, None));
     };
     let system_id = client
@@ -658,7 +679,12 @@ impl FlushGate {
 /// session fails on its own if Postgres is gone).
 ///
 /// Returns the gate and a handle to the highest position recorded so far.
-pub fn recorder(client: Client, slot: String, start: Lsn) -> (FlushGate, RecordedHandle) {
+pub fn recorder(
+    client: Client,
+    schema: SchemaName,
+    slot: String,
+    start: Lsn,
+) -> (FlushGate, RecordedHandle) {
     let (wanted_tx, mut wanted_rx) = watch::channel(start);
     let (recorded_tx, recorded_rx) = watch::channel(start);
     let handle = RecordedHandle(recorded_rx.clone());
@@ -672,7 +698,7 @@ pub fn recorder(client: Client, slot: String, start: Lsn) -> (FlushGate, Recorde
             if target <= *recorded_tx.borrow() {
                 continue;
             }
-            match record_flush(&client, &slot, target).await {
+            match record_flush(&client, &schema, &slot, target).await {
                 Ok(()) => {
                     recorded_tx.send_replace(target);
                     tokio::time::sleep(RECORD_INTERVAL).await;

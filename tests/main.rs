@@ -20,6 +20,7 @@ mod lifecycle;
 mod lockdown;
 mod observability;
 mod operations;
+mod outboxes;
 mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;

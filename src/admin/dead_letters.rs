@@ -6,6 +6,7 @@ use tokio_postgres::Client;
 
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::outbox_schema::{MessagePrefix, SchemaName};
 
 /// One row of `outbox.dead_letter`, as `dead-letters list` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -60,15 +61,19 @@ pub struct NewDeadLetter<'a> {
 ///
 /// # Errors
 /// [`Error::Sql`] (for example when `outbox.dead_letter` is missing: run `pgoutbox setup`).
-pub async fn write_dead_letter(client: &Client, dl: &NewDeadLetter<'_>) -> Result<(), Error> {
+pub async fn write_dead_letter(
+    client: &Client,
+    schema: &SchemaName,
+    dl: &NewDeadLetter<'_>,
+) -> Result<(), Error> {
     let lsn = dl.lsn.to_string();
     let commit_lsn = dl.commit_lsn.map(|l| l.to_string());
     client
         .execute(
-            "INSERT INTO outbox.dead_letter
+            &*schema.rewrite("INSERT INTO outbox.dead_letter
                 (message_id, topic, lsn, commit_lsn, envelope, reason, attempts, first_error, last_error)
              VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7, $8, $9)
-             ON CONFLICT (lsn) DO NOTHING",
+             ON CONFLICT (lsn) DO NOTHING"),
             &[
                 &dl.message_id,
                 &dl.topic,
@@ -82,7 +87,7 @@ pub async fn write_dead_letter(client: &Client, dl: &NewDeadLetter<'_>) -> Resul
             ],
         )
         .await
-        .map_err(|e| Error::sql(format!("writing a dead letter to outbox.dead_letter{}", dead_letter_hint(&e)), e))?;
+        .map_err(|e| Error::sql(format!("writing a dead letter to {}{}", schema.qualify("dead_letter"), dead_letter_hint(&e)), e))?;
     Ok(())
 }
 
@@ -130,23 +135,24 @@ impl Selection {
 /// [`Error::Sql`].
 pub async fn list_dead_letters(
     client: &Client,
+    schema: &SchemaName,
     include_requeued: bool,
     limit: i64,
 ) -> Result<Vec<DeadLetter>, Error> {
     let rows = client
         .query(
-            "SELECT id, message_id, topic, lsn::text, reason, attempts, first_error, last_error,
+            &*schema.rewrite("SELECT id, message_id, topic, lsn::text, reason, attempts, first_error, last_error,
                     to_char(dead_lettered_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
                     to_char(requeued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
              FROM outbox.dead_letter
              WHERE $1 OR requeued_at IS NULL
-             ORDER BY id LIMIT $2",
+             ORDER BY id LIMIT $2"),
             &[&include_requeued, &limit],
         )
         .await
         .map_err(|e| {
             Error::sql(
-                format!("listing outbox.dead_letter{}", dead_letter_hint(&e)),
+                format!("listing {}{}", schema.qualify("dead_letter"), dead_letter_hint(&e)),
                 e,
             )
         })?;
@@ -180,9 +186,9 @@ pub enum RequeueRefusal {
     Undecodable(String),
 }
 
-/// Re-emits the selected dead letters through
-/// `pg_logical_emit_message(true, 'pgoutbox', envelope)` in one transaction, in id order,
-/// and marks them `requeued_at`. Returns the ids requeued.
+/// Re-emits the selected dead letters of the outbox in `schema` through
+/// `pg_logical_emit_message(true, prefix, envelope)` (`prefix`: the outbox's) in one
+/// transaction, in id order, and marks them `requeued_at`. Returns the ids requeued.
 ///
 /// All or nothing: when any selected row cannot be requeued (an `--id` that does not
 /// exist, a row requeued already, an envelope this pgoutbox cannot decode), nothing is
@@ -193,6 +199,8 @@ pub enum RequeueRefusal {
 /// [`Error::Precondition`] listing the refused rows and the fix; [`Error::Sql`].
 pub async fn requeue_dead_letters(
     client: &mut Client,
+    schema: &SchemaName,
+    prefix: &MessagePrefix,
     selection: &Selection,
 ) -> Result<Vec<i64>, Error> {
     let (clause, arg) = selection.clause();
@@ -207,18 +215,19 @@ pub async fn requeue_dead_letters(
         .map_err(|e| Error::sql("starting the requeue transaction", e))?;
     let rows = tx
         .query(
-            &format!(
+            &*schema.rewrite(&format!(
                 "SELECT id,
                         to_char(requeued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
                  FROM outbox.dead_letter WHERE {clause}{unrequeued} ORDER BY id FOR UPDATE"
-            ),
+            )),
             &[&arg],
         )
         .await
         .map_err(|e| {
             Error::sql(
                 format!(
-                    "reading the dead letters to requeue from outbox.dead_letter{}",
+                    "reading the dead letters to requeue from {}{}",
+                    schema.qualify("dead_letter"),
                     dead_letter_hint(&e)
                 ),
                 e,
@@ -244,7 +253,7 @@ pub async fn requeue_dead_letters(
         // One envelope in memory at a time: too_large rows are large by definition.
         let envelope: Vec<u8> = tx
             .query_one(
-                "SELECT envelope FROM outbox.dead_letter WHERE id = $1",
+                &*schema.rewrite("SELECT envelope FROM outbox.dead_letter WHERE id = $1"),
                 &[&id],
             )
             .await
@@ -261,15 +270,17 @@ pub async fn requeue_dead_letters(
     }
     for id in &picked {
         tx.execute(
-            "SELECT pg_logical_emit_message(true, 'pgoutbox', envelope) FROM outbox.dead_letter WHERE id = $1",
-            &[id],
+            &*schema.rewrite(
+                "SELECT pg_logical_emit_message(true, $2, envelope) FROM outbox.dead_letter WHERE id = $1",
+            ),
+            &[id, &prefix.as_str()],
         )
         .await
         .map_err(|e| Error::sql(format!("re-emitting dead letter {id}"), e))?;
     }
     let ids = picked;
     tx.execute(
-        "UPDATE outbox.dead_letter SET requeued_at = now() WHERE id = ANY($1)",
+        &*schema.rewrite("UPDATE outbox.dead_letter SET requeued_at = now() WHERE id = ANY($1)"),
         &[&ids],
     )
     .await
@@ -304,18 +315,23 @@ fn describe_refusals(refused: &[(i64, RequeueRefusal)]) -> String {
 ///
 /// # Errors
 /// [`Error::Sql`].
-pub async fn purge_dead_letters(client: &Client, selection: &Selection) -> Result<u64, Error> {
+pub async fn purge_dead_letters(
+    client: &Client,
+    schema: &SchemaName,
+    selection: &Selection,
+) -> Result<u64, Error> {
     let (clause, arg) = selection.clause();
     client
         .execute(
-            &format!("DELETE FROM outbox.dead_letter WHERE {clause}"),
+            &*schema.rewrite(&format!("DELETE FROM outbox.dead_letter WHERE {clause}")),
             &[&arg],
         )
         .await
         .map_err(|e| {
             Error::sql(
                 format!(
-                    "purging dead letters from outbox.dead_letter{}",
+                    "purging dead letters from {}{}",
+                    schema.qualify("dead_letter"),
                     dead_letter_hint(&e)
                 ),
                 e,

@@ -6,6 +6,7 @@ use tokio_postgres::Client;
 
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::outbox_schema::{MessagePrefix, SchemaName};
 
 use super::provisioning::{check_replication_role, check_wal_level, publication_exists};
 
@@ -177,6 +178,7 @@ pub async fn confirmed_flush_lsn(client: &Client, slot: &str) -> Result<Lsn, Err
 /// [`Error::SlotLost`], [`Error::Sql`].
 pub async fn preflight(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     publication: &str,
 ) -> Result<SlotStatus, Error> {
@@ -201,7 +203,7 @@ pub async fn preflight(
             "publication {publication:?} does not exist in this database; run `pgoutbox setup --slot {slot} --publication {publication}` or fix --publication"
         )));
     }
-    check_dead_letter_privileges(client, slot).await?;
+    check_dead_letter_privileges(client, schema, slot).await?;
     Ok(status)
 }
 
@@ -210,8 +212,8 @@ pub async fn preflight(
 /// `USAGE` on the schema, `INSERT` on the table plus `SELECT` (the insert's
 /// `ON CONFLICT (lsn)` check reads it), `USAGE` on its id sequence (`bigserial` calls
 /// `nextval`), and `SELECT, INSERT, UPDATE` on the slot's history. `role` is quoted as an
-/// identifier.
-pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 4] {
+/// identifier; the objects are those of `schema`.
+pub fn dead_letter_grants(schema: &SchemaName, role: &str, sequence: &str) -> [String; 4] {
     let role = format!("\"{}\"", role.replace('"', "\"\""));
     [
         format!("GRANT USAGE ON SCHEMA outbox TO {role};"),
@@ -219,6 +221,7 @@ pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 4] {
         format!("GRANT USAGE ON SEQUENCE {sequence} TO {role};"),
         format!("GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO {role};"),
     ]
+    .map(|g| schema.rewrite(&g).into_owned())
 }
 
 /// Fails unless the connected role can write dead letters: `outbox.dead_letter` exists
@@ -229,7 +232,11 @@ pub fn dead_letter_grants(role: &str, sequence: &str) -> [String; 4] {
 /// # Errors
 /// [`Error::Precondition`] naming the role, what is missing and the complete `GRANT`s to
 /// run; [`Error::Sql`].
-pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result<(), Error> {
+pub async fn check_dead_letter_privileges(
+    client: &Client,
+    schema: &SchemaName,
+    slot: &str,
+) -> Result<(), Error> {
     let row = client
         .query_one(
             "SELECT current_user::text,
@@ -243,7 +250,7 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
                         has_table_privilege(st.oid, 'SELECT') AND has_table_privilege(st.oid, 'INSERT')
                         AND has_table_privilege(st.oid, 'UPDATE') END
              FROM (SELECT 1) AS one
-             LEFT JOIN pg_namespace n ON n.nspname = 'outbox'
+             LEFT JOIN pg_namespace n ON n.nspname = $1
              LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = 'dead_letter'
              LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'id'
              LEFT JOIN pg_depend d ON d.refclassid = 'pg_class'::regclass AND d.refobjid = c.oid
@@ -251,20 +258,21 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
                   AND d.deptype IN ('a', 'i')
              LEFT JOIN pg_class sq ON sq.oid = d.objid AND sq.relkind = 'S'
              LEFT JOIN pg_class st ON st.relnamespace = n.oid AND st.relname = 'stream_state'",
-            &[],
+            &[&schema.as_str()],
         )
         .await
-        .map_err(|e| Error::sql("checking the privileges on outbox.dead_letter", e))?;
+        .map_err(|e| Error::sql(schema.rewrite("checking the privileges on outbox.dead_letter"), e))?;
     // Names are never looked up (that would need USAGE on the schema): only oids.
     let role: String = row.get(0);
     let table_exists: bool = row.get(1);
     if !table_exists {
-        return Err(Error::Precondition(format!(
-            "table outbox.dead_letter does not exist in this database; run `pgoutbox setup --slot {slot}` (as the database owner) first"
-        )));
+        return Err(Error::Precondition(schema.rewrite(&format!(
+            "table outbox.dead_letter does not exist in this database; run `pgoutbox setup --slot {slot}{}` (as the database owner) first",
+            schema_flag(schema)
+        )).into_owned()));
     }
     let sequence: Option<String> = row.get(5);
-    let sequence = sequence.unwrap_or_else(|| "outbox.dead_letter_id_seq".into());
+    let sequence = sequence.unwrap_or_else(|| schema.qualify("dead_letter_id_seq"));
     // No sequence found (the table was changed by hand): nothing to check for it.
     let seq_usage = row.get::<_, Option<bool>>(6) != Some(false);
     let mut missing = Vec::new();
@@ -288,10 +296,10 @@ pub async fn check_dead_letter_privileges(client: &Client, slot: &str) -> Result
     if missing.is_empty() {
         return Ok(());
     }
+    let missing = schema.rewrite(&missing.join(", ")).into_owned();
     Err(Error::Precondition(format!(
-        "role {role:?} cannot write dead letters or the slot's history (missing {}); as the owner of schema outbox or a superuser, run: {} (sql/roles.example.sql grants the same)",
-        missing.join(", "),
-        dead_letter_grants(&role, &sequence).join(" ")
+        "role {role:?} cannot write dead letters or the slot's history (missing {missing}); as the owner of schema {schema} or a superuser, run: {} (sql/roles.example.sql grants the same)",
+        dead_letter_grants(schema, &role, &sequence).join(" ")
     )))
 }
 
@@ -304,6 +312,7 @@ pub async fn pending_outbox_messages(
     client: &Client,
     slot: &str,
     publication: &str,
+    prefix: &MessagePrefix,
 ) -> Result<i64, Error> {
     // Decoding only reads flushed WAL: with synchronous_commit = off a just-committed emit
     // may not be flushed yet. A synchronous commit of a transaction that wrote WAL flushes
@@ -319,10 +328,12 @@ pub async fn pending_outbox_messages(
     // byte offset 10 (1-based 11).
     let row = client
         .query_one(
-            "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL,
+            &format!(
+                "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL,
                 'proto_version', '1', 'publication_names', $2, 'messages', 'true')
-             WHERE get_byte(data, 0) = 77
-               AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea",
+             WHERE {}",
+                message_filter(prefix)
+            ),
             &[&slot, &publication],
         )
         .await
@@ -330,10 +341,36 @@ pub async fn pending_outbox_messages(
     Ok(row.get(0))
 }
 
-/// The fixed pgoutput `M` layout up to the prefix, for the SQL filters below: `'M'`, Int8
-/// flags, Int64 LSN, then the NUL-terminated prefix at byte offset 10 (1-based 11).
-const OUR_MESSAGE_FILTER: &str = "get_byte(data, 0) = 77 \
-     AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea";
+/// The SQL condition on a pgoutput row `data` that selects the messages with `prefix`, by
+/// the fixed pgoutput `M` layout up to the prefix: `'M'`, Int8 flags, Int64 LSN, then the
+/// NUL-terminated prefix at byte offset 10 (1-based 11). The prefix goes in as a literal: it
+/// holds no quote or backslash ([`MessagePrefix::parse`]).
+fn message_filter(prefix: &MessagePrefix) -> String {
+    format!(
+        "get_byte(data, 0) = 77 \
+         AND substring(data from 11 for {}) = convert_to({}, 'UTF8') || '\\x00'::bytea",
+        prefix.as_str().len() + 1,
+        prefix.literal()
+    )
+}
+
+/// ` --schema S` for a command line to suggest, or nothing for the default schema.
+pub fn schema_flag(schema: &SchemaName) -> String {
+    if schema.is_default() {
+        String::new()
+    } else {
+        format!(" --schema {schema}")
+    }
+}
+
+#[test]
+fn the_default_message_filter_is_the_one_of_before() {
+    assert_eq!(
+        message_filter(&MessagePrefix::default()),
+        "get_byte(data, 0) = 77 \
+         AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea"
+    );
+}
 
 /// Longest a `status` or `peek` decode of the slot may take, in milliseconds
 /// (`statement_timeout`): decoding starts at the slot's `restart_lsn` whatever the limit, so a
@@ -366,6 +403,7 @@ pub async fn count_waiting(
     client: &mut Client,
     slot: &str,
     publication: &str,
+    prefix: &MessagePrefix,
 ) -> Result<WaitingCount, Error> {
     let tx = client
         .transaction()
@@ -377,9 +415,10 @@ pub async fn count_waiting(
     let row = tx
         .query_one(
             &format!(
-                "SELECT count(*), count(*) FILTER (WHERE {OUR_MESSAGE_FILTER})
+                "SELECT count(*), count(*) FILTER (WHERE {})
                  FROM pg_logical_slot_peek_binary_changes($1, NULL, $2::int,
-                    'proto_version', '1', 'publication_names', $3, 'messages', 'true')"
+                    'proto_version', '1', 'publication_names', $3, 'messages', 'true')",
+                message_filter(prefix)
             ),
             &[&slot, &(PENDING_SCAN_CHANGES as i32), &publication],
         )
@@ -516,6 +555,7 @@ pub async fn peek_waiting(
     client: &mut Client,
     slot: &str,
     publication: &str,
+    prefix: &MessagePrefix,
     limit: i64,
     payloads: Payloads,
 ) -> Result<PeekReport, Error> {
@@ -544,14 +584,15 @@ pub async fn peek_waiting(
                     FROM pg_logical_slot_peek_binary_changes($1, NULL, $2::int,
                         'proto_version', '1', 'publication_names', $3, 'messages', 'true')
                         WITH ORDINALITY AS c(lsn, xid, data, ord)),
-                 ours AS (SELECT ord, xid FROM changes WHERE {OUR_MESSAGE_FILTER}
+                 ours AS (SELECT ord, xid FROM changes WHERE {}
                           ORDER BY ord LIMIT $4)
                  SELECT 0::bigint, NULL::bytea, (SELECT count(*) FROM changes)
                  UNION ALL
                  SELECT ord, data, NULL FROM changes
                  WHERE ord IN (SELECT ord FROM ours)
                     OR (get_byte(data, 0) IN (66, 67) AND xid IN (SELECT xid FROM ours))
-                 ORDER BY 1"
+                 ORDER BY 1",
+                message_filter(prefix)
             ),
             &[
                 &slot,
@@ -717,6 +758,10 @@ pub struct LagThresholds {
 /// when the slot does not exist).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HealthReport {
+    /// The outbox's schema (`--schema`).
+    pub schema: String,
+    /// The logical-message prefix whose messages are counted as waiting.
+    pub prefix: String,
     /// Slot name.
     pub slot: String,
     /// Whether the slot exists.
@@ -786,6 +831,8 @@ pub struct HealthReport {
 /// count, the dead letters) become problems instead.
 pub async fn health(
     client: &mut Client,
+    schema: &SchemaName,
+    prefix: &MessagePrefix,
     slot: &str,
     publication: &str,
     lag: LagThresholds,
@@ -867,7 +914,7 @@ pub async fn health(
             if s.wal_status.as_deref() == Some("lost") {
                 unknown = Some("unknown: the slot is lost".to_owned());
             } else {
-                match count_waiting(client, slot, publication).await {
+                match count_waiting(client, slot, publication, prefix).await {
                     Ok(c) => {
                         pending = Some(c.messages);
                         at_least = c.at_least;
@@ -884,12 +931,12 @@ pub async fn health(
     }
     let dead = client
         .query_one(
-            "SELECT (SELECT count(*) FROM outbox.dead_letter WHERE requeued_at IS NULL), d.reason,
+            &*schema.rewrite("SELECT (SELECT count(*) FROM outbox.dead_letter WHERE requeued_at IS NULL), d.reason,
                     d.last_error,
                     to_char(d.dead_lettered_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
              FROM (SELECT 1) AS one
              LEFT JOIN LATERAL (SELECT reason, last_error, dead_lettered_at FROM outbox.dead_letter
-                                WHERE requeued_at IS NULL ORDER BY id DESC LIMIT 1) d ON true",
+                                WHERE requeued_at IS NULL ORDER BY id DESC LIMIT 1) d ON true"),
             &[],
         )
         .await;
@@ -914,17 +961,18 @@ pub async fn health(
         }
         Err(e) if matches!(e.code().map(|c| c.code()), Some("42P01" | "3F000")) => problem(
             Severity::Critical,
-            format!("table outbox.dead_letter does not exist in this database; `run` refuses to start: run `pgoutbox setup --slot {slot}`"),
+            schema.rewrite(&format!("table outbox.dead_letter does not exist in this database; `run` refuses to start: run `pgoutbox setup --slot {slot}{}`", schema_flag(schema))).into_owned(),
         ),
         Err(e) => problem(
             Severity::Warning,
-            format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string())),
+            schema.rewrite(&format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string()))).into_owned(),
         ),
     }
     // Information only: never a problem, never the exit code.
     let lockdown = super::lockdown::lockdown_state(client).await.ok();
     let (stream_state, gap) = match crate::stream_state::inspect(
         client,
+        schema,
         slot,
         status
             .as_ref()
@@ -937,7 +985,8 @@ pub async fn health(
             problem(
                 Severity::Warning,
                 format!(
-                    "cannot read outbox.stream_state: {}",
+                    "cannot read {}: {}",
+                    schema.qualify("stream_state"),
                     crate::error::one_line(&e)
                 ),
             );
@@ -960,6 +1009,8 @@ pub async fn health(
         .unwrap_or(Severity::Healthy);
     let s = status.as_ref();
     Ok(HealthReport {
+        schema: schema.as_str().to_owned(),
+        prefix: prefix.as_str().to_owned(),
         slot: slot.to_owned(),
         slot_exists: s.is_some(),
         active: s.is_some_and(|s| s.active),

@@ -126,6 +126,27 @@ pub async fn require_superuser(client: &Client, flag: &str) -> Result<(), Error>
     Ok(())
 }
 
+/// Fails unless `schema` is the default outbox's: lockdown revokes
+/// `pg_logical_emit_message` from `PUBLIC` in the whole database, so the (SECURITY INVOKER)
+/// helpers of every other outbox would stop working for ordinary roles, and its record
+/// (`outbox.lockdown`) and markers are the default outbox's. `flag` names what was asked.
+///
+/// # Errors
+/// [`Error::Precondition`] naming the flag, the schema and what to do instead.
+pub fn require_default_schema(
+    schema: &crate::outbox_schema::SchemaName,
+    flag: &str,
+) -> Result<(), Error> {
+    if schema.is_default() {
+        return Ok(());
+    }
+    Err(Error::Precondition(format!(
+        "setup {flag} is supported for the default outbox (schema {}) only, not with --schema {schema}: lockdown revokes pg_logical_emit_message in the whole database, which would leave the producers of schema {schema} without a way to emit; run setup {flag} without --schema (or with --schema {}), and only in a database whose producers all use that outbox",
+        crate::outbox_schema::DEFAULT_SCHEMA,
+        crate::outbox_schema::DEFAULT_SCHEMA
+    )))
+}
+
 /// Runs `sql` in one transaction.
 async fn in_transaction(client: &Client, sql: &str, what: &str) -> Result<(), Error> {
     client

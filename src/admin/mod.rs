@@ -32,10 +32,11 @@ pub use inspection::{
     LagThresholds, Payloads, PeekReport, Problem, Severity, SlotRetention, SlotStatus,
     WaitingCount, WaitingEnvelope, WaitingMessage,
 };
-pub use lockdown::{lock, lockdown_state, unlock, LockdownState};
+pub use lockdown::{lock, lockdown_state, require_default_schema, unlock, LockdownState};
 pub use provisioning::{
-    check_replication_role, check_wal_level, create_roles, publication_exists, setup, teardown,
-    RolesReport, SetupReport, TeardownReport, DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
+    check_replication_role, check_wal_level, create_roles, outboxes, publication_exists,
+    resolve_prefix, setup, stored_prefix, teardown, RolesReport, SetupReport, TeardownReport,
+    DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
 };
 
 /// How long an ordinary SQL connection attempt may take when the URL sets no

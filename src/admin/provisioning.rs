@@ -5,9 +5,170 @@ use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::error::Error;
+use crate::outbox_schema::{install_sql, MessagePrefix, SchemaName, SETTINGS_SQL};
 
-use super::inspection::{pending_outbox_messages, slot_status};
+use super::inspection::{pending_outbox_messages, schema_flag, slot_status};
 use super::OUTBOX_SQL;
+
+/// The prefix recorded in `schema`'s settings table (`sql/settings.sql`); `None` when the
+/// table (or its row) does not exist.
+///
+/// # Errors
+/// [`Error::Sql`] when it exists and cannot be read; [`Error::Precondition`] when it holds
+/// a prefix pgoutbox would refuse (edited by hand).
+pub async fn stored_prefix(
+    client: &Client,
+    schema: &SchemaName,
+) -> Result<Option<MessagePrefix>, Error> {
+    let exists: bool = client
+        .query_one(
+            &*schema.rewrite("SELECT to_regclass('outbox.settings') IS NOT NULL"),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql(format!("looking up {}", schema.qualify("settings")), e))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let row = client
+        .query_opt(
+            &*schema.rewrite("SELECT message_prefix FROM outbox.settings"),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql(format!("reading {}", schema.qualify("settings")), e))?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let text: String = row.get(0);
+    MessagePrefix::parse("--prefix", &text)
+        .map(Some)
+        .map_err(|e| {
+            Error::Precondition(format!(
+                "{} holds message_prefix {text:?}, which pgoutbox refuses ({}); run `pgoutbox setup{} --prefix NAME` with the prefix the helpers write",
+                schema.qualify("settings"),
+                e.rule,
+                schema_flag(schema)
+            ))
+        })
+}
+
+/// The prefix of the outbox in `schema`: `given` (`--prefix`) when set, else the one
+/// `setup` stored ([`stored_prefix`]), else [`MessagePrefix::default`] for the default
+/// schema (a database set up before prefixes were stored).
+///
+/// # Errors
+/// [`Error::Precondition`] for another schema with nothing stored (not set up: run
+/// `setup --schema S --prefix P`); what [`stored_prefix`] returns.
+pub async fn resolve_prefix(
+    client: &Client,
+    schema: &SchemaName,
+    given: Option<&MessagePrefix>,
+) -> Result<MessagePrefix, Error> {
+    let stored = stored_prefix(client, schema).await?;
+    if let Some(p) = given {
+        if stored.as_ref().is_some_and(|s| s != p) {
+            tracing::warn!(
+                schema = %schema,
+                prefix = %p,
+                stored_prefix = %stored.as_ref().map(ToString::to_string).unwrap_or_default(),
+                "--prefix overrides the prefix setup stored for this schema: messages its helpers write are not published by this process"
+            );
+        }
+        return Ok(p.clone());
+    }
+    match stored {
+        Some(p) => Ok(p),
+        None if schema.is_default() => Ok(MessagePrefix::default()),
+        None => Err(Error::Precondition(format!(
+            "schema {schema} holds no pgoutbox outbox ({} is missing): run `pgoutbox setup --schema {schema} --prefix NAME` first, or fix --schema",
+            schema.qualify("settings")
+        ))),
+    }
+}
+
+/// Every outbox of this database and its prefix: the schemas holding a `dead_letter` table
+/// and a `settings` table with a `message_prefix`, and schema `outbox` with `dead_letter`
+/// but no `settings` (set up by an older pgoutbox: prefix `pgoutbox`). Schemas this role
+/// cannot read are skipped.
+///
+/// # Errors
+/// [`Error::Sql`] when the catalogs cannot be read.
+pub async fn outboxes(client: &Client) -> Result<Vec<(String, String)>, Error> {
+    let rows = client
+        .query(
+            "SELECT n.nspname::text, quote_ident(n.nspname),
+                    EXISTS (SELECT 1 FROM pg_class s JOIN pg_attribute a ON a.attrelid = s.oid
+                            WHERE s.relnamespace = n.oid AND s.relname = 'settings'
+                              AND a.attname = 'message_prefix' AND NOT a.attisdropped)
+               FROM pg_namespace n
+               JOIN pg_class d ON d.relnamespace = n.oid AND d.relname = 'dead_letter' AND d.relkind = 'r'
+              ORDER BY 1",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("listing the outboxes of this database", e))?;
+    let mut found = Vec::new();
+    for row in rows {
+        let (name, quoted, has_settings): (String, String, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        if !has_settings {
+            if name == crate::outbox_schema::DEFAULT_SCHEMA {
+                found.push((name, crate::outbox_schema::DEFAULT_PREFIX.to_owned()));
+            }
+            continue;
+        }
+        if let Ok(Some(r)) = client
+            .query_opt(
+                &format!("SELECT message_prefix FROM {quoted}.settings"),
+                &[],
+            )
+            .await
+        {
+            found.push((name, r.get(0)));
+        }
+    }
+    Ok(found)
+}
+
+/// The prefix `setup` installs for `schema`: `given`, or the stored one, or the default
+/// for the default schema; refused when it differs from the stored one (the streamer
+/// would skip messages already written with the old one) or when another outbox of the
+/// database uses it (each streamer would publish the other's messages).
+async fn setup_prefix(
+    client: &Client,
+    schema: &SchemaName,
+    given: Option<&MessagePrefix>,
+) -> Result<MessagePrefix, Error> {
+    let stored = stored_prefix(client, schema).await?;
+    let prefix = match (given, stored) {
+        (Some(p), Some(s)) if *p != s => {
+            return Err(Error::Precondition(format!(
+                "--prefix {p}: the outbox in schema {schema} writes prefix {s} (recorded in {}); changing it would make `run` skip the messages already written with {s}: run setup with --prefix {s} (or without --prefix), or set up a new schema for the new prefix",
+                schema.qualify("settings")
+            )))
+        }
+        (Some(p), _) => p.clone(),
+        (None, Some(s)) => s,
+        (None, None) if schema.is_default() => MessagePrefix::default(),
+        (None, None) => {
+            return Err(Error::Precondition(format!(
+                "--schema {schema} needs --prefix on its first setup: the default prefix {} belongs to the outbox in schema {}; pick a prefix of its own, e.g. --prefix {schema}",
+                crate::outbox_schema::DEFAULT_PREFIX,
+                crate::outbox_schema::DEFAULT_SCHEMA
+            )))
+        }
+    };
+    for (other, used) in outboxes(client).await? {
+        if other != schema.as_str() && used == prefix.as_str() {
+            return Err(Error::Precondition(format!(
+                "--prefix {prefix}: the outbox in schema {other} already writes prefix {used}; two outboxes with one prefix would each publish the other's messages: pick another --prefix for schema {schema}"
+            )));
+        }
+    }
+    Ok(prefix)
+}
 
 /// Whether a publication of this name exists in the connected database.
 ///
@@ -72,6 +233,8 @@ pub struct SetupReport {
     pub slot_created: bool,
     /// The slot's `confirmed_flush_lsn` after setup.
     pub confirmed_flush_lsn: String,
+    /// The prefix the schema's helpers write (stored in its settings table).
+    pub prefix: MessagePrefix,
 }
 
 /// Whether `setup` creates a failover slot (`setup --failover`).
@@ -87,17 +250,26 @@ pub enum SlotFailover {
 /// The first PostgreSQL version (`server_version_num`) with failover slots.
 pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
 
-/// Installs `sql/outbox.sql`, `sql/stream_state.sql` and `sql/inbox.sql` (the consumer-side
-/// inbox, [`crate::inbox`]), creates the publication (no
-/// tables) and the pgoutput slot when missing (with `failover` on PostgreSQL 17+ when
-/// asked). Idempotent.
+/// Installs `sql/outbox.sql`, `sql/stream_state.sql` and `sql/settings.sql` in `schema`
+/// (transformed by [`install_sql`]: the helpers write `prefix`), records the prefix in the
+/// schema's settings table, installs `sql/inbox.sql` (the consumer-side inbox,
+/// [`crate::inbox`]; with the default schema only: the inbox is not per outbox), creates
+/// the publication (no tables) and the pgoutput slot when missing (with `failover` on
+/// PostgreSQL 17+ when asked). Idempotent.
+///
+/// The prefix: `prefix` (`--prefix`), else the one stored before, else `pgoutbox` for
+/// the default schema; another schema must name one on its first setup.
 ///
 /// # Errors
 /// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, an
 /// existing slot with another plugin or database, or [`SlotFailover::On`] on a server older
-/// than 17 or with an existing slot that is not a failover slot; [`Error::Sql`] otherwise.
+/// than 17 or with an existing slot that is not a failover slot, a prefix that differs from
+/// the stored one or that another outbox of the database uses, no prefix for a new
+/// non-default schema; [`Error::Sql`] otherwise.
 pub async fn setup(
     client: &Client,
+    schema: &SchemaName,
+    prefix: Option<&MessagePrefix>,
     slot: &str,
     publication: &str,
     failover: SlotFailover,
@@ -118,18 +290,51 @@ pub async fn setup(
             )));
         }
     }
+    let prefix = setup_prefix(client, schema, prefix).await?;
     client
-        .batch_execute(OUTBOX_SQL)
+        .batch_execute(&install_sql(OUTBOX_SQL, schema, &prefix))
         .await
-        .map_err(|e| Error::sql("installing sql/outbox.sql", e))?;
+        .map_err(|e| Error::sql(format!("installing sql/outbox.sql in schema {schema}"), e))?;
     client
-        .batch_execute(crate::stream_state::STREAM_STATE_SQL)
+        .batch_execute(&install_sql(
+            crate::stream_state::STREAM_STATE_SQL,
+            schema,
+            &prefix,
+        ))
         .await
-        .map_err(|e| Error::sql("installing sql/stream_state.sql", e))?;
+        .map_err(|e| {
+            Error::sql(
+                format!("installing sql/stream_state.sql in schema {schema}"),
+                e,
+            )
+        })?;
     client
-        .batch_execute(crate::inbox::INBOX_SQL)
+        .batch_execute(&install_sql(SETTINGS_SQL, schema, &prefix))
         .await
-        .map_err(|e| Error::sql("installing sql/inbox.sql", e))?;
+        .map_err(|e| Error::sql(format!("installing sql/settings.sql in schema {schema}"), e))?;
+    client
+        .execute(
+            &*schema.rewrite(
+                "INSERT INTO outbox.settings AS s (message_prefix) VALUES ($1)
+                 ON CONFLICT (singleton) DO UPDATE SET message_prefix = EXCLUDED.message_prefix,
+                     updated_at = now()
+                 WHERE s.message_prefix <> EXCLUDED.message_prefix",
+            ),
+            &[&prefix.as_str()],
+        )
+        .await
+        .map_err(|e| {
+            Error::sql(
+                format!("recording the prefix in {}", schema.qualify("settings")),
+                e,
+            )
+        })?;
+    if schema.is_default() {
+        client
+            .batch_execute(crate::inbox::INBOX_SQL)
+            .await
+            .map_err(|e| Error::sql("installing sql/inbox.sql", e))?;
+    }
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client
@@ -203,6 +408,7 @@ pub async fn setup(
         publication_created,
         slot_created,
         confirmed_flush_lsn: status.confirmed_flush_lsn.unwrap_or_default(),
+        prefix,
     })
 }
 
@@ -215,13 +421,15 @@ pub struct TeardownReport {
     pub publication_dropped: bool,
 }
 
-/// Drops the slot and the publication, and the slot's row in `outbox.stream_state`. Refuses while the slot holds unsent outbox
-/// messages unless `force`; refuses while the slot is active.
+/// Drops the slot and the publication, and the slot's row in `schema`'s `stream_state`.
+/// Refuses while the slot holds unsent messages of the outbox in `schema` (its prefix)
+/// unless `force`; refuses while the slot is active. The schema itself is kept.
 ///
 /// # Errors
 /// [`Error::Precondition`] with the reason and the fix; [`Error::Sql`].
 pub async fn teardown(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     publication: &str,
     force: crate::cli::Force,
@@ -239,7 +447,8 @@ pub async fn teardown(
                 )));
             }
             if force == crate::cli::Force::No && status.wal_status.as_deref() != Some("lost") {
-                let pending = pending_outbox_messages(client, slot, publication).await?;
+                let prefix = resolve_prefix(client, schema, None).await?;
+                let pending = pending_outbox_messages(client, slot, publication, &prefix).await?;
                 if pending > 0 {
                     return Err(Error::Precondition(format!(
                         "slot {slot:?} still holds {pending} unsent outbox messages; run `pgoutbox run` until they are delivered, or pass --force to drop them"
@@ -257,7 +466,7 @@ pub async fn teardown(
             .await
             .map_err(|e| Error::sql(format!("dropping slot {slot:?}"), e))?;
         // The slot's history ends here on purpose: a new slot starts a new record.
-        crate::stream_state::forget(client, slot).await?;
+        crate::stream_state::forget(client, schema, slot).await?;
     }
     let publication_dropped = publication_exists(client, publication).await?;
     if publication_dropped {
@@ -290,7 +499,7 @@ pub struct RolesReport {
 /// Creates the streamer role (`LOGIN REPLICATION`) and the producer role (`NOLOGIN`) when
 /// missing and grants them, in the connected database, what `run` and `outbox.emit` need:
 /// `sql/roles.sql`, its function defined in `pg_temp` and called with these names.
-/// Idempotent; run after [`setup`] (the grants name objects of schema `outbox`).
+/// Idempotent; run after [`setup`] (the grants name the objects of `schema`).
 ///
 /// # Errors
 /// [`Error::Config`] for a name that is not 1 to 63 of `a-z`, `0-9`, `_`;
@@ -298,6 +507,7 @@ pub struct RolesReport {
 /// (a superuser is needed); [`Error::Sql`] otherwise.
 pub async fn create_roles(
     client: &Client,
+    schema: &SchemaName,
     streamer: &str,
     producer: &str,
 ) -> Result<RolesReport, Error> {
@@ -316,7 +526,10 @@ pub async fn create_roles(
             Error::sql("creating the roles of sql/roles.sql", e)
         }
     };
-    client.batch_execute(definition).await.map_err(fail)?;
+    client
+        .batch_execute(&schema.rewrite(definition))
+        .await
+        .map_err(fail)?;
     let row = client
         .query_one(
             "SELECT pg_temp.pgoutbox_create_roles($1::text::name, $2::text::name)",

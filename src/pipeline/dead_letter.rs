@@ -79,11 +79,14 @@ pub(super) struct DeadLetterWriter {
 
 impl DeadLetterWriter {
     /// Opens the writer's own session (see the module doc for its settings) and starts the
-    /// task.
+    /// task. Rows go to the `dead_letter` table of `schema`.
     ///
     /// # Errors
     /// [`Error::Sql`] when connecting or setting up the session fails.
-    pub async fn connect(pg: &crate::config::DatabaseConfig) -> Result<Self, Error> {
+    pub async fn connect(
+        pg: &crate::config::DatabaseConfig,
+        schema: &crate::outbox_schema::SchemaName,
+    ) -> Result<Self, Error> {
         let client = admin::connect(pg).await?;
         client
             .batch_execute(&format!(
@@ -95,7 +98,7 @@ impl DeadLetterWriter {
             .map_err(|e| Error::sql("preparing the dead-letter session", e))?;
         let (jobs, rx) = mpsc::unbounded_channel();
         let (tx, written) = mpsc::unbounded_channel();
-        let task = tokio::spawn(write_task(client, rx, tx));
+        let task = tokio::spawn(write_task(client, schema.clone(), rx, tx));
         Ok(DeadLetterWriter {
             jobs,
             written,
@@ -145,6 +148,7 @@ impl DeadLetterWriter {
 /// Writes jobs in order; retries timeouts forever with backoff, reports other errors.
 async fn write_task(
     client: tokio_postgres::Client,
+    schema: crate::outbox_schema::SchemaName,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     written: mpsc::UnboundedSender<Result<Written, Error>>,
 ) {
@@ -164,7 +168,7 @@ async fn write_task(
                 first_error: job.first_error.as_deref(),
                 last_error: &job.last_error,
             };
-            match admin::write_dead_letter(&client, &row).await {
+            match admin::write_dead_letter(&client, &schema, &row).await {
                 Ok(()) => break,
                 Err(e) if is_timeout(&e) => {
                     tracing::warn!(

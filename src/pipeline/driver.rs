@@ -326,6 +326,8 @@ struct Connected {
     gate: FlushGate,
     recorded: RecordedHandle,
     identity: crate::replication::connect::SystemIdentity,
+    /// The prefix this session publishes ([`admin::resolve_prefix`]).
+    prefix: crate::outbox_schema::MessagePrefix,
 }
 
 /// One session: connect (racing shutdown), stream, and return on shutdown (`Ok`) or the
@@ -359,6 +361,7 @@ async fn run_session(
         gate,
         recorded,
         identity,
+        prefix,
     } = connected;
     telemetry.session_started();
     note_role(telemetry, &config.slot, Role::Active, None);
@@ -373,6 +376,7 @@ async fn run_session(
         std::mem::take(summary),
         Arc::clone(telemetry),
         lockdown,
+        prefix,
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
     memory.nodes.session_ended(
@@ -423,15 +427,22 @@ async fn connect(
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
-    admin::preflight(&sql, &config.slot, &config.publication).await?;
-    stream_state::ensure_table(&sql).await?;
+    admin::preflight(&sql, &config.schema, &config.slot, &config.publication).await?;
+    stream_state::ensure_table(&sql, &config.schema).await?;
+    let prefix = admin::resolve_prefix(&sql, &config.schema, config.prefix.as_ref()).await?;
     let application_name = format!("pgoutbox-{}", config.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
     // Read before START_REPLICATION: a lockdown committed after this read is decoded in the
     // stream (its marker), one committed before it is in the record (crate::lockdown).
-    let lockdown_state = admin::lockdown_state(&sql).await?;
-    let lockdown = crate::lockdown::Lockdown::from_record(lockdown_state.since());
-    let dead_letters = DeadLetterWriter::connect(pg).await?;
+    // Lockdown is the default outbox's only (admin::require_default_schema): another
+    // schema's streamer checks no emitter and ignores the markers.
+    let lockdown = if config.schema.is_default() {
+        let lockdown_state = admin::lockdown_state(&sql).await?;
+        crate::lockdown::Lockdown::from_record(lockdown_state.since())
+    } else {
+        crate::lockdown::Lockdown::from_record(None)
+    };
+    let dead_letters = DeadLetterWriter::connect(pg, &config.schema).await?;
     let publisher_config = PublisherConfig {
         amqp_url: String::new(),
         exchange: config.exchange.clone(),
@@ -465,6 +476,8 @@ async fn connect(
         };
     tracing::info!(
         slot = %config.slot,
+        schema = %config.schema,
+        prefix = %prefix,
         publication = %config.publication,
         exchange = %config.exchange,
         allowed_exchanges = %config.allowed_exchanges,
@@ -488,6 +501,7 @@ async fn connect(
         gate,
         recorded,
         identity,
+        prefix,
     })
 }
 
@@ -657,6 +671,7 @@ async fn start_stream(
         // server skip the new history's commits below it.
         let start = stream_state::start_hint(
             sql,
+            &config.schema,
             &config.slot,
             memory.resume,
             memory.seen.as_ref(),

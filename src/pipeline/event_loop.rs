@@ -19,7 +19,7 @@ use super::driver::BrokerLimit;
 use super::feedback::{Feedback, StallWatch};
 use super::in_flight::{InFlight, InFlightTable, Seq};
 use super::RunSummary;
-use crate::config::{Failpoint, RunConfig, UnroutablePolicy, MESSAGE_PREFIX};
+use crate::config::{Failpoint, RunConfig, UnroutablePolicy};
 use crate::envelope;
 use crate::error::Error;
 use crate::lockdown::{self, Lockdown, MarkerEffect};
@@ -91,6 +91,9 @@ pub(super) struct Core {
     lockdown: Lockdown,
     /// Which exchange each message goes to (`--exchange`, `--allowed-exchanges`).
     router: Router,
+    /// The logical-message prefix published (the outbox's, [`crate::outbox_schema`]);
+    /// messages with other prefixes are acknowledged without publishing.
+    prefix: crate::outbox_schema::MessagePrefix,
 }
 
 impl Core {
@@ -108,6 +111,7 @@ impl Core {
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
+        prefix: crate::outbox_schema::MessagePrefix,
     ) -> Self {
         let stall = StallWatch::new(config.stall_after);
         let router = Router::new(config.exchange.clone(), config.allowed_exchanges.clone());
@@ -130,6 +134,7 @@ impl Core {
             telemetry,
             latency: LatencyBatch::default(),
             lockdown,
+            prefix,
         }
     }
 
@@ -649,6 +654,7 @@ impl Core {
             attempts = job.attempts,
             error = %job.last_error,
             published = job.seq.is_some(),
+            schema = %self.config.schema,
             "message dead-lettered to outbox.dead_letter (inspect with `pgoutbox dead-letters list`)"
         );
         self.summary.dead_lettered += 1;
@@ -742,7 +748,12 @@ impl Core {
                 self.received = self.received.max(c.end_lsn);
                 self.current_txn = None;
             }
-            LogicalMessage::Message(m) if m.has_prefix(lockdown::MARKER_PREFIX.as_bytes()) => {
+            // Lockdown is the default outbox's only: another schema's streamer acknowledges
+            // the markers like any other prefix (MessagePrefix is never the marker's).
+            LogicalMessage::Message(m)
+                if self.config.schema.is_default()
+                    && m.has_prefix(lockdown::MARKER_PREFIX.as_bytes()) =>
+            {
                 match self.lockdown.on_marker(m.lsn, &m.content, m.transactional) {
                     MarkerEffect::Locked(since) => tracing::warn!(
                         marker_lsn = %m.lsn,
@@ -758,7 +769,7 @@ impl Core {
                     }
                 }
             }
-            LogicalMessage::Message(m) if m.has_prefix(MESSAGE_PREFIX.as_bytes()) => {
+            LogicalMessage::Message(m) if m.has_prefix(self.prefix.as_str().as_bytes()) => {
                 let locked = self.lockdown.covers(m.lsn);
                 let Some((commit_lsn, commit_time_us)) =
                     self.current_txn.filter(|_| m.transactional)
@@ -769,7 +780,7 @@ impl Core {
                             self.forged_error(m.lsn, "a non-transactional message"),
                         )
                     } else {
-                        ("poison", "non-transactional logical message with prefix pgoutbox (outbox.emit never writes one)".into())
+                        ("poison", format!("non-transactional logical message with prefix {} (emit never writes one)", self.prefix))
                     };
                     return self.dead_letter_unpublished(m.lsn, None, m.content, reason, error);
                 };
