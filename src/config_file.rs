@@ -80,6 +80,14 @@ pub struct FileSettings {
     pub stall_after_s: Option<u64>,
     /// `--postgres-loss-drain-ms` (milliseconds).
     pub postgres_loss_drain_ms: Option<u64>,
+    /// `--journal`.
+    pub journal: Option<bool>,
+    /// `--journal-retention` (`"7d"`, `"12h"`, `"0"`).
+    pub journal_retention: Option<crate::config::Retention>,
+    /// `--idempotency-retention` (`"7d"`, `"12h"`, `"0"`).
+    pub idempotency_retention: Option<crate::config::Retention>,
+    /// `--maintenance-interval` (`"5m"`).
+    pub maintenance_interval: Option<String>,
 }
 
 /// A string, or an array of strings (`amqp_url = ["amqp://a", "amqp://b"]`).
@@ -173,6 +181,19 @@ const KEYS: &[(&str, &str)] = &[
     (
         "postgres_loss_drain_ms",
         "a whole number of milliseconds, 0 to 600000",
+    ),
+    ("journal", "true or false"),
+    (
+        "journal_retention",
+        "a string, a duration such as \"7d\", \"12h\", \"30m\", or \"0\" (keep every row)",
+    ),
+    (
+        "idempotency_retention",
+        "a string, a duration such as \"7d\", \"12h\", \"30m\", or \"0\" (keep every key)",
+    ),
+    (
+        "maintenance_interval",
+        "a string, a duration from \"1s\" to \"1d\", such as \"5m\"",
     ),
 ];
 
@@ -419,6 +440,20 @@ fn merge(
                 publish_properties => args.publish_properties, same;
                 stall_after_s => args.stall_after_s, same;
                 postgres_loss_drain_ms => args.postgres_loss_drain_ms, same;
+                journal => args.journal, same;
+                journal_retention => args.journal_retention, same;
+                idempotency_retention => args.idempotency_retention, same;
+            }
+            if let Some(text) = file.maintenance_interval {
+                if !given("maintenance_interval") {
+                    args.maintenance_interval = crate::cli::parse_maintenance_interval(&text)
+                        .map_err(|e| ConfigFileError::Invalid {
+                            path: path.clone(),
+                            what: format!("key \"maintenance_interval\": {e}"),
+                            fix: "write maintenance_interval = \"5m\" (1s to 1d)".into(),
+                        })?;
+                    keys.push("maintenance_interval");
+                }
             }
             if let Some(text) = file.http_addr {
                 if !given("http_addr") {

@@ -125,6 +125,10 @@ pub async fn setup(
         .batch_execute(crate::stream_state::STREAM_STATE_SQL)
         .await
         .map_err(|e| Error::sql("installing sql/stream_state.sql", e))?;
+    client
+        .batch_execute(super::journal::JOURNAL_SQL)
+        .await
+        .map_err(|e| Error::sql("installing sql/journal.sql", e))?;
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client

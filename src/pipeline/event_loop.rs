@@ -18,6 +18,7 @@ use super::dead_letter::{DeadLetterWriter, Job, Written};
 use super::driver::BrokerLimit;
 use super::feedback::{Feedback, StallWatch};
 use super::in_flight::{InFlight, InFlightTable, Seq};
+use super::journal::JournalHandle;
 use super::RunSummary;
 use crate::config::{Failpoint, RunConfig, UnroutablePolicy, MESSAGE_PREFIX};
 use crate::envelope;
@@ -88,6 +89,8 @@ pub(super) struct Core {
     /// Whether `setup --lockdown` is in effect, from the record read at session start and
     /// the markers seen since (see [`crate::lockdown`] for why that is exact).
     lockdown: Lockdown,
+    /// The delivery journal (`--journal`; a no-op when off).
+    journal: JournalHandle,
 }
 
 impl Core {
@@ -105,6 +108,7 @@ impl Core {
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
+        journal: JournalHandle,
     ) -> Self {
         let stall = StallWatch::new(config.stall_after);
         Core {
@@ -125,6 +129,7 @@ impl Core {
             telemetry,
             latency: LatencyBatch::default(),
             lockdown,
+            journal,
         }
     }
 
@@ -415,6 +420,8 @@ impl Core {
                         .remove(seq)
                         .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
                     self.settle(&m)?;
+                    // After the settle: the journal never holds back acknowledgement.
+                    self.journal.record(&m, now_us);
                     self.summary.confirmed += 1;
                     self.latency.observe_us(now_us - m.commit_time_us);
                     if let Some(Failpoint::AbortAfterConfirms(n)) = self.config.failpoint {
