@@ -8,14 +8,14 @@ use clap::{Args, Parser, Subcommand};
 use crate::secrets::{Secret, Sources, Target};
 
 use crate::config::{
+    JournalMode, Retention, RetentionSettings, DEFAULT_RETENTION_BATCH, RETENTION_BATCH_CAP,
+};
+use crate::config::{
     PublishProperties, RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP,
     DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
     DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT, DEFAULT_SLOT_BUSY_TIMEOUT,
     DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
-};
-use crate::config::{
-    JournalMode, Retention, RetentionSettings, DEFAULT_RETENTION_BATCH, RETENTION_BATCH_CAP,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 

@@ -133,13 +133,15 @@ impl Retention {
     /// # Errors
     /// [`ValidationError`] naming `setting`, the value and the accepted forms.
     pub fn parse(setting: &'static str, text: &str) -> Result<Retention, ValidationError> {
-        let fail = |why: String| ValidationError {
+        let fail = |why: String| {
+            ValidationError {
             setting,
             value: text.to_owned(),
             rule: format!(
                 "{why}; write a duration such as 7d, 12h or 30m (at most {}d), or 0 to keep every row",
                 RETENTION_CAP.as_secs() / 86_400
             ),
+        }
         };
         let age = humantime::parse_duration(text.trim()).map_err(|e| fail(e.to_string()))?;
         if age > RETENTION_CAP {
@@ -1140,8 +1142,14 @@ mod tests {
     #[test]
     fn parses_retentions() {
         let p = |t| Retention::parse("--journal-retention", t);
-        assert_eq!(p("7d").unwrap().age(), Some(Duration::from_secs(7 * 86_400)));
-        assert_eq!(p("12h").unwrap().age(), Some(Duration::from_secs(12 * 3600)));
+        assert_eq!(
+            p("7d").unwrap().age(),
+            Some(Duration::from_secs(7 * 86_400))
+        );
+        assert_eq!(
+            p("12h").unwrap().age(),
+            Some(Duration::from_secs(12 * 3600))
+        );
         assert_eq!(p(" 30m ").unwrap().age(), Some(Duration::from_secs(1800)));
         assert_eq!(p("1h 30m").unwrap().age(), Some(Duration::from_secs(5400)));
         assert_eq!(p("0").unwrap(), Retention::OFF);

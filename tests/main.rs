@@ -13,6 +13,7 @@ mod faults;
 mod gaps;
 mod hardening;
 mod harness_smoke;
+mod journal;
 mod lifecycle;
 mod lockdown;
 mod observability;

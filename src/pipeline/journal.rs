@@ -136,7 +136,10 @@ impl JournalWriter {
             let _ = stop.send(());
         }
         if let Some(mut task) = self.task.take() {
-            if tokio::time::timeout(CLOSE_TIMEOUT, &mut task).await.is_err() {
+            if tokio::time::timeout(CLOSE_TIMEOUT, &mut task)
+                .await
+                .is_err()
+            {
                 task.abort();
                 tracing::warn!(
                     timeout_s = CLOSE_TIMEOUT.as_secs(),

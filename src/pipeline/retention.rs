@@ -76,7 +76,11 @@ async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::e
     Ok(client)
 }
 
-async fn retention_task(settings: RetentionSettings, pg: DatabaseConfig, telemetry: Arc<Telemetry>) {
+async fn retention_task(
+    settings: RetentionSettings,
+    pg: DatabaseConfig,
+    telemetry: Arc<Telemetry>,
+) {
     let mut client: Option<tokio_postgres::Client> = None;
     // A table reported missing once is not reported again until it appears.
     let mut missing_noted = [false; 2];
@@ -109,7 +113,12 @@ async fn retention_task(settings: RetentionSettings, pg: DatabaseConfig, telemet
                 }
                 Ok(Purged::Missing) => {
                     if !std::mem::replace(&mut missing_noted[i], true) {
-                        tracing::info!(table = table.label(), "retention skips {}: {}", table.describe(), table.missing_note());
+                        tracing::info!(
+                            table = table.label(),
+                            "retention skips {}: {}",
+                            table.describe(),
+                            table.missing_note()
+                        );
                     }
                 }
                 Ok(Purged::Off) => {}
