@@ -352,7 +352,10 @@ async fn maintenance_deletes_expired_keys_and_journal_rows_in_batches() {
     ob.sql(&format!(
         "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA outbox TO {role}; GRANT SELECT ON outbox.idempotency, outbox.journal TO {role}"
     ));
-    backdate(&ob, 1, 1);
+    ob.sql(
+        "INSERT INTO outbox.idempotency (idempotency_key, message_id, created_at) VALUES ('ro-old', 'm', now() - interval '8 days');
+         INSERT INTO outbox.journal VALUES ('ro-old', 't', '0/10', '0/20', 1, now() - interval '8 days', 's')",
+    );
     let out = pgoutbox(&[
         "maintenance",
         "--database-url",
