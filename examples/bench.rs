@@ -24,7 +24,9 @@
 //! pgoutbox with `--publish-properties full` and `minimal` (passed as the environment variable
 //! `PGOUTBOX_PUBLISH_PROPERTIES`, harmless to a binary without the option: the row then says
 //! which shape really arrived), in scenario 1 also pgoutbox with `--http-addr off` next to the
-//! metrics-on drain (CPU per message on vs off), and the **Node relay** of
+//! metrics-on drain (CPU per message on vs off), in both pgoutbox full with `--journal`
+//! next to the one without (the delivery journal's CPU per message and throughput, as
+//! ratios of the same run), and the **Node relay** of
 //! `../shared/peers/node` when `node` and `npm` are installed (copied to `target/peer-node`,
 //! `npm ci` there when its lock file changed; skipped with a note otherwise). The order of the
 //! drains is reversed on every other run.
@@ -894,6 +896,9 @@ enum Metrics {
 enum Relay {
     /// `target/release/pgoutbox run` with this `--publish-properties` shape.
     Pgoutbox(Shape, Metrics),
+    /// `target/release/pgoutbox run --journal`, full shape, metrics on: the delivery
+    /// journal's cost, drained next to [`Relay::Pgoutbox`] full on the same backlog.
+    PgoutboxJournal,
     /// `relay.js` of the Node peer (persistent, mandatory, messageId = message LSN).
     Node,
 }
@@ -906,6 +911,7 @@ impl Relay {
             Relay::Pgoutbox(Shape::Full, Metrics::Off) => "fulloff",
             Relay::Pgoutbox(Shape::Minimal, Metrics::On) => "minimal",
             Relay::Pgoutbox(Shape::Minimal, Metrics::Off) => "minimaloff",
+            Relay::PgoutboxJournal => "fulljournal",
             Relay::Node => "node",
         }
     }
@@ -916,13 +922,14 @@ impl Relay {
             Relay::Pgoutbox(Shape::Full, Metrics::Off) => "pgoutbox full, metrics off",
             Relay::Pgoutbox(Shape::Minimal, Metrics::On) => "pgoutbox minimal",
             Relay::Pgoutbox(Shape::Minimal, Metrics::Off) => "pgoutbox minimal, metrics off",
+            Relay::PgoutboxJournal => "pgoutbox full, journal on",
             Relay::Node => "Node relay",
         }
     }
 
     fn program(self) -> &'static str {
         match self {
-            Relay::Pgoutbox(..) => "pgoutbox",
+            Relay::Pgoutbox(..) | Relay::PgoutboxJournal => "pgoutbox",
             Relay::Node => "node",
         }
     }
@@ -931,14 +938,24 @@ impl Relay {
     fn shape(self) -> Shape {
         match self {
             Relay::Pgoutbox(shape, _) => shape,
+            Relay::PgoutboxJournal => Shape::Full,
             Relay::Node => Shape::Minimal,
         }
     }
 
     fn metrics(self) -> &'static str {
         match self {
-            Relay::Pgoutbox(_, Metrics::On) => "on",
+            Relay::Pgoutbox(_, Metrics::On) | Relay::PgoutboxJournal => "on",
             Relay::Pgoutbox(_, Metrics::Off) => "off",
+            Relay::Node => "n/a",
+        }
+    }
+
+    /// Whether it keeps the delivery journal (`--journal`).
+    fn journal(self) -> &'static str {
+        match self {
+            Relay::PgoutboxJournal => "on",
+            Relay::Pgoutbox(..) => "off",
             Relay::Node => "n/a",
         }
     }
@@ -1065,8 +1082,16 @@ impl Streamer {
     ) -> R<Streamer> {
         let file = fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
         let mut cmd = match relay {
-            Relay::Pgoutbox(shape, metrics) => {
+            Relay::Pgoutbox(..) | Relay::PgoutboxJournal => {
+                let (shape, metrics) = match relay {
+                    Relay::Pgoutbox(shape, metrics) => (shape, metrics),
+                    _ => (Shape::Full, Metrics::On),
+                };
                 let mut cmd = Command::new(root().join("target/release/pgoutbox"));
+                if relay == Relay::PgoutboxJournal {
+                    // The variable too would do; the flag fails loudly on a binary without it.
+                    cmd.env("PGOUTBOX_JOURNAL", "true");
+                }
                 cmd.args([
                     "run",
                     "--database-url",
@@ -1323,6 +1348,8 @@ struct DrainRun {
     observed_shape: String,
     /// pgoutbox's `/metrics` server: on, off (n/a for the Node relay).
     metrics: String,
+    /// pgoutbox's delivery journal (`--journal`): on, off (n/a for the Node relay).
+    journal: String,
     /// 0-based position in the run's drain order.
     position: usize,
     decode_msgs_per_s: f64,
@@ -1744,6 +1771,7 @@ async fn drain_case(
             shape: relay.shape(),
             observed_shape: d.observed_shape,
             metrics: relay.metrics().to_string(),
+            journal: relay.journal().to_string(),
             position,
             decode_msgs_per_s: decode,
             drain_s: d.drain_s,
@@ -2394,6 +2422,7 @@ fn metrics_table(drains: &[DrainRun]) -> String {
                 d.scenario == sc
                     && d.run == d_off.run
                     && d.metrics == "on"
+                    && d.journal == "off"
                     && d.program == "pgoutbox"
                     && d.shape == d_off.shape
             }) else {
@@ -2414,6 +2443,56 @@ fn metrics_table(drains: &[DrainRun]) -> String {
             fmt_mmm(ratio, 2),
             fmt_mmm(rate_on, 0),
             fmt_mmm(rate_off, 0),
+        );
+    }
+    out
+}
+
+/// The delivery journal's cost: pgoutbox full with `--journal` and without, drained one
+/// after the other on the same backlog, paired by run.
+fn journal_table(drains: &[DrainRun]) -> String {
+    let mut out = String::from(
+        "| scenario | runs | CPU µs/msg, journal on | CPU µs/msg, journal off | CPU on ÷ off | msg/s on | msg/s off | msg/s on ÷ off |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut scenarios: Vec<&str> = Vec::new();
+    for d in drains {
+        if d.journal == "on" && !scenarios.contains(&d.scenario.as_str()) {
+            scenarios.push(&d.scenario);
+        }
+    }
+    for sc in scenarios {
+        let (mut cpu_on, mut cpu_off, mut cpu_ratio) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut rate_on, mut rate_off, mut rate_ratio) = (Vec::new(), Vec::new(), Vec::new());
+        for d_on in drains
+            .iter()
+            .filter(|d| d.scenario == sc && d.journal == "on")
+        {
+            let Some(d_off) = drains.iter().find(|d| {
+                d.scenario == sc
+                    && d.run == d_on.run
+                    && d.journal == "off"
+                    && d.metrics == "on"
+                    && d.shape == Shape::Full
+            }) else {
+                continue;
+            };
+            cpu_on.push(d_on.cpu_us_per_msg);
+            cpu_off.push(d_off.cpu_us_per_msg);
+            cpu_ratio.push(d_on.cpu_us_per_msg / d_off.cpu_us_per_msg);
+            rate_on.push(d_on.msgs_per_s);
+            rate_off.push(d_off.msgs_per_s);
+            rate_ratio.push(d_on.msgs_per_s / d_off.msgs_per_s);
+        }
+        let _ = writeln!(
+            out,
+            "| {sc} | {} | {} | {} | {} | {} | {} | {} |",
+            cpu_on.len(),
+            fmt_mmm(cpu_on, 1),
+            fmt_mmm(cpu_off, 1),
+            fmt_mmm(cpu_ratio, 2),
+            fmt_mmm(rate_on, 0),
+            fmt_mmm(rate_off, 0),
+            fmt_mmm(rate_ratio, 2),
         );
     }
     out
@@ -2689,11 +2768,13 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     };
     let s1_relays = with_node(vec![
         Relay::Pgoutbox(Shape::Full, Metrics::On),
+        Relay::PgoutboxJournal,
         Relay::Pgoutbox(Shape::Full, Metrics::Off),
         Relay::Pgoutbox(Shape::Minimal, Metrics::On),
     ]);
     let s2_relays = with_node(vec![
         Relay::Pgoutbox(Shape::Full, Metrics::On),
+        Relay::PgoutboxJournal,
         Relay::Pgoutbox(Shape::Minimal, Metrics::On),
     ]);
     let s3_relays = [Relay::Pgoutbox(Shape::Full, Metrics::On)];
@@ -2838,6 +2919,10 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     if drains.iter().any(|d| d.metrics == "off") {
         md.push_str("\npgoutbox CPU per message with `/metrics` on and off (`PGOUTBOX_HTTP_ADDR=off`), drains of the same backlog back to back, paired by run:\n\n");
         md.push_str(&metrics_table(&drains));
+    }
+    if drains.iter().any(|d| d.journal == "on") {
+        md.push_str("\nThe delivery journal's cost: pgoutbox full with `--journal` and without (metrics on in both), drains of the same backlog back to back, paired by run:\n\n");
+        md.push_str(&journal_table(&drains));
     }
     md.push_str("\nBroker ceiling by shape and window:\n\n");
     md.push_str(&broker_table(&cases));

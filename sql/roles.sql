@@ -18,6 +18,8 @@
 --     ON CONFLICT (lsn) check reads it), USAGE on its id sequence, USAGE on schema outbox;
 --   * the slot's history: SELECT, INSERT, UPDATE on outbox.stream_state (the last flush LSN
 --     it reported, see `run`'s gap check);
+--   * retention and the journal: SELECT, DELETE on outbox.idempotency (old keys) and
+--     SELECT, INSERT, DELETE on outbox.journal (`run --journal`, `--journal-retention`);
 --   * CONNECT on the database (PUBLIC has it by default; granted in case it was revoked).
 -- No password is set here: give one with ALTER ROLE pgoutbox_streamer PASSWORD '...' (from
 -- psql: \password pgoutbox_streamer), or authenticate it with a client certificate
@@ -65,6 +67,12 @@ BEGIN
     EXECUTE format('GRANT SELECT, INSERT ON outbox.dead_letter TO %I', streamer);
     EXECUTE format('GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO %I', streamer);
     EXECUTE format('GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO %I', streamer);
+    IF to_regclass('outbox.idempotency') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT, DELETE ON outbox.idempotency TO %I', streamer);
+    END IF;
+    IF to_regclass('outbox.journal') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT, INSERT, DELETE ON outbox.journal TO %I', streamer);
+    END IF;
 
     EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', producer);
     EXECUTE format('GRANT EXECUTE ON FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) TO %I', producer);

@@ -8,6 +8,9 @@ use clap::{Args, Parser, Subcommand};
 use crate::secrets::{Secret, Sources, Target};
 
 use crate::config::{
+    JournalMode, Retention, RetentionSettings, DEFAULT_RETENTION_BATCH, RETENTION_BATCH_CAP,
+};
+use crate::config::{
     PublishProperties, RunConfig, UnroutablePolicy, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP,
     DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
@@ -66,9 +69,83 @@ pub enum Command {
     Peek(PeekArgs),
     /// Drop the slot and the publication.
     Teardown(TeardownArgs),
+    /// Delete expired idempotency keys, journal rows and inbox records once (for cron);
+    /// exit 0 when every step ran or was skipped, 1 when one failed, 2 for bad arguments.
+    Maintenance(MaintenanceArgs),
+    /// Print the delivery journal's entries for a message id (`run --journal`), oldest
+    /// first; exit 0 when there is at least one, 1 when none.
+    Journal(JournalArgs),
     /// Inspect, requeue or purge messages in outbox.dead_letter.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+}
+
+/// `maintenance` arguments.
+#[derive(Debug, Args)]
+pub struct MaintenanceArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Delete outbox.idempotency keys older than this: a duration such as 7d, 12h, 30m,
+    /// or 0 to keep them all.
+    #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", default_value = "7d", value_parser = parse_idempotency_retention)]
+    pub idempotency_retention: Retention,
+    /// Delete outbox.journal rows confirmed longer ago than this (7d, 12h, 30m; 0 keeps them).
+    #[arg(long, env = "PGOUTBOX_JOURNAL_RETENTION", default_value = "7d", value_parser = parse_journal_retention)]
+    pub journal_retention: Retention,
+    /// Delete outbox.inbox records received longer ago than this, through
+    /// outbox.inbox_purge (sql/inbox.sql; skipped when it is not installed); 0 keeps them.
+    #[arg(long, env = "PGOUTBOX_INBOX_RETENTION", default_value = "7d", value_parser = parse_inbox_retention)]
+    pub inbox_retention: Retention,
+    /// Rows deleted per statement (1 to 100000).
+    #[arg(long, default_value_t = DEFAULT_RETENTION_BATCH, value_parser = parse_batch_size)]
+    pub batch_size: u32,
+}
+
+/// `journal` arguments.
+#[derive(Debug, Args)]
+pub struct JournalArgs {
+    /// The message id (as in the AMQP message_id property).
+    pub message_id: String,
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Print one JSON array instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn retention_arg(setting: &'static str, text: &str) -> Result<Retention, String> {
+    Retention::parse(setting, text).map_err(|e| e.rule)
+}
+
+fn parse_idempotency_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--idempotency-retention", text)
+}
+
+fn parse_journal_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--journal-retention", text)
+}
+
+fn parse_inbox_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--inbox-retention", text)
+}
+
+fn parse_batch_size(text: &str) -> Result<u32, String> {
+    let n: u32 = parse_whole_number(text)?;
+    if !(1..=RETENTION_BATCH_CAP).contains(&n) {
+        return Err(format!(
+            "{n} is out of range: write 1 to {RETENTION_BATCH_CAP} rows"
+        ));
+    }
+    Ok(n)
+}
+
+/// Parses `--maintenance-interval` (a humantime duration; its range is checked by
+/// `RunConfig::validate`).
+pub fn parse_maintenance_interval(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{e}: write a duration from 1s to 1d, such as 5m"))
 }
 
 /// `dead-letters` subcommands.
@@ -505,6 +582,25 @@ pub struct RunArgs {
     /// text). No other value.
     #[arg(long, env = "PGOUTBOX_CLOUDEVENTS_PREFIX", value_parser = parse_cloudevents_prefix)]
     pub cloudevents_prefix: Option<crate::cloudevents::Prefix>,
+    /// Record every confirmed message (message id, topic, LSNs, attempts, confirm time) in
+    /// outbox.journal, one batched INSERT per status-update interval. An audit record: it
+    /// never holds back acknowledgement, so a crash may lose its last interval, and rows
+    /// are dropped (counted in pgoutbox_journal_dropped_total) when its buffer is full or a
+    /// write fails.
+    #[arg(long, env = "PGOUTBOX_JOURNAL")]
+    pub journal: bool,
+    /// Delete outbox.journal rows confirmed longer ago than this: a duration such as 7d,
+    /// 12h, 30m, or 0 to keep them all.
+    #[arg(long, env = "PGOUTBOX_JOURNAL_RETENTION", default_value = "7d", value_parser = parse_journal_retention)]
+    pub journal_retention: Retention,
+    /// Delete outbox.idempotency keys older than this (7d, 12h, 30m; 0 keeps them): after
+    /// it, a retried emit with the same key emits again.
+    #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", default_value = "7d", value_parser = parse_idempotency_retention)]
+    pub idempotency_retention: Retention,
+    /// How often the retention task deletes expired keys and journal rows (first at
+    /// start), in batches of 1000 with a pause between: 1s to 1d.
+    #[arg(long, env = "PGOUTBOX_MAINTENANCE_INTERVAL", default_value = "5m", value_parser = parse_maintenance_interval)]
+    pub maintenance_interval: Duration,
     /// The flags whose value came on the command line (argv, visible in the process list)
     /// and carries a password; filled by [`crate::config_file::parse_cli`], warned about by
     /// `run`.
@@ -628,6 +724,16 @@ impl RunArgs {
             http_addr: self.http_addr.0,
             stall_after: Duration::from_secs(self.stall_after_s),
             accept_gap: self.accept_gap,
+            journal: if self.journal {
+                JournalMode::On
+            } else {
+                JournalMode::Off
+            },
+            retention: RetentionSettings {
+                idempotency: self.idempotency_retention,
+                journal: self.journal_retention,
+                interval: self.maintenance_interval,
+            },
         })
     }
 

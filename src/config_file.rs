@@ -94,6 +94,14 @@ pub struct FileSettings {
     pub cloudevents_source: Option<String>,
     /// `--cloudevents-prefix` (`cloudEvents_` or `cloudEvents:`).
     pub cloudevents_prefix: Option<crate::cloudevents::Prefix>,
+    /// `--journal`.
+    pub journal: Option<bool>,
+    /// `--journal-retention` (`"7d"`, `"12h"`, `"0"`).
+    pub journal_retention: Option<crate::config::Retention>,
+    /// `--idempotency-retention` (`"7d"`, `"12h"`, `"0"`).
+    pub idempotency_retention: Option<crate::config::Retention>,
+    /// `--maintenance-interval` (`"5m"`).
+    pub maintenance_interval: Option<String>,
 }
 
 /// A comma-separated string, or an array of strings (`allowed_exchanges = ["a", "b"]`).
@@ -220,6 +228,19 @@ const KEYS: &[(&str, &str)] = &[
         "a string, a URI-reference of at most 255 bytes",
     ),
     ("cloudevents_prefix", "\"cloudEvents_\" or \"cloudEvents:\""),
+    ("journal", "true or false"),
+    (
+        "journal_retention",
+        "a string, a duration such as \"7d\", \"12h\", \"30m\", or \"0\" (keep every row)",
+    ),
+    (
+        "idempotency_retention",
+        "a string, a duration such as \"7d\", \"12h\", \"30m\", or \"0\" (keep every key)",
+    ),
+    (
+        "maintenance_interval",
+        "a string, a duration from \"1s\" to \"1d\", such as \"5m\"",
+    ),
 ];
 
 /// A config file that cannot be used. Displays as one line naming the file, the key (when
@@ -472,6 +493,20 @@ fn merge(
                 cloudevents => args.cloudevents, same;
                 cloudevents_source => args.cloudevents_source, Some;
                 cloudevents_prefix => args.cloudevents_prefix, Some;
+                journal => args.journal, same;
+                journal_retention => args.journal_retention, same;
+                idempotency_retention => args.idempotency_retention, same;
+            }
+            if let Some(text) = file.maintenance_interval {
+                if !given("maintenance_interval") {
+                    args.maintenance_interval = crate::cli::parse_maintenance_interval(&text)
+                        .map_err(|e| ConfigFileError::Invalid {
+                            path: path.clone(),
+                            what: format!("key \"maintenance_interval\": {e}"),
+                            fix: "write maintenance_interval = \"5m\" (1s to 1d)".into(),
+                        })?;
+                    keys.push("maintenance_interval");
+                }
             }
             if let Some(text) = file.http_addr {
                 if !given("http_addr") {

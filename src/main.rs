@@ -312,6 +312,8 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             Ok(0)
         }
         Command::DeadLetters(cmd) => dead_letters(cmd).await.map(|()| 0),
+        Command::Maintenance(args) => maintenance(args).await,
+        Command::Journal(args) => journal(args).await,
         Command::Check(args) => {
             let findings = pgoutbox::check::check(&args.into_config()?).await;
             match pgoutbox::check::print(&findings) {
@@ -427,6 +429,65 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
             Ok(())
         }
     }
+}
+
+/// `maintenance`: one retention pass over the idempotency keys, the journal and the inbox,
+/// printing one line per table. Exit 0 when every step ran (or was off, or skipped because
+/// its table or function is not installed), 1 when one failed (the others still run), 2
+/// for bad arguments (clap).
+async fn maintenance(args: pgoutbox::cli::MaintenanceArgs) -> Result<u8, Error> {
+    use pgoutbox::admin::retention::{purge, Purgeable, Purged};
+    let client = admin::connect(&args.db.url.config()?).await?;
+    let mut failed = 0;
+    for (table, retention) in [
+        (Purgeable::IdempotencyKeys, args.idempotency_retention),
+        (Purgeable::Journal, args.journal_retention),
+        (Purgeable::Inbox, args.inbox_retention),
+    ] {
+        let what = table.describe();
+        match purge(&client, table, retention, args.batch_size, MAINTENANCE_PAUSE).await {
+            Ok(Purged::Deleted { rows, batches }) => println!(
+                "{what}: deleted {rows} older than {retention} ({batches} statement{} of at most {} rows)",
+                if batches == 1 { "" } else { "s" },
+                args.batch_size
+            ),
+            Ok(Purged::Off) => println!("{what}: retention off (0), nothing deleted"),
+            Ok(Purged::Missing) => println!("{what}: skipped, {}", table.missing_note()),
+            Err(e) => {
+                failed += 1;
+                println!("{what}: failed");
+                eprintln!("{}", render_report(&e));
+            }
+        }
+    }
+    Ok(if failed > 0 { 1 } else { 0 })
+}
+
+/// Pause between two delete statements of `maintenance`.
+const MAINTENANCE_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// `journal MESSAGE_ID`: prints the entries (exit 0), or says there are none (exit 1).
+async fn journal(args: pgoutbox::cli::JournalArgs) -> Result<u8, Error> {
+    let client = admin::connect(&args.db.url.config()?).await?;
+    let rows = admin::journal::journal_entries(&client, &args.message_id).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&rows).unwrap_or_default());
+    } else {
+        for r in &rows {
+            println!(
+                "{}  id={}  topic={}  lsn={}  commit_lsn={}  attempts={}  slot={}",
+                r.confirmed_at, r.message_id, r.topic, r.lsn, r.commit_lsn, r.attempts, r.slot_name
+            );
+        }
+    }
+    if rows.is_empty() {
+        eprintln!(
+            "no journal entries for message id {:?} (was `run --journal` on when it was confirmed, and within --journal-retention?)",
+            args.message_id
+        );
+        return Ok(1);
+    }
+    Ok(0)
 }
 
 /// `status`: prints the report and returns its severity as the exit status (0 healthy,

@@ -84,6 +84,14 @@ pub const CONFIRM_LATENCY_SECONDS: &str = "pgoutbox_confirm_latency_seconds";
 /// Counter: sessions ended by a retryable failure, label `cause` (`broker`, `postgres`,
 /// `slot_busy`: one per standby poll that found the slot held by another process).
 pub const RECONNECTS_TOTAL: &str = "pgoutbox_reconnects_total";
+/// Counter: rows written to `outbox.journal` (`run --journal`).
+pub const JOURNAL_ROWS_WRITTEN_TOTAL: &str = "pgoutbox_journal_rows_written_total";
+/// Counter: journal rows dropped, label `reason` (`buffer_full`: more confirms in one
+/// interval than the buffer holds; `write_failed`: the batch's INSERT failed).
+pub const JOURNAL_ROWS_DROPPED_TOTAL: &str = "pgoutbox_journal_rows_dropped_total";
+/// Counter: rows deleted by `run`'s retention task, label `table` (`idempotency`,
+/// `journal`).
+pub const RETENTION_ROWS_DELETED_TOTAL: &str = "pgoutbox_retention_rows_deleted_total";
 /// Counter: sessions that started streaming.
 pub const SESSIONS_STARTED_TOTAL: &str = "pgoutbox_sessions_started_total";
 /// Gauge: seconds since the last standby status update was sent (0 before the first).
@@ -300,6 +308,9 @@ pub struct Telemetry {
     dead_lettered: Family<[(&'static str, &'static str); 1], Counter>,
     reconnects: Family<[(&'static str, &'static str); 1], Counter>,
     sessions: Counter,
+    journal_written: Counter,
+    journal_dropped: Family<[(&'static str, &'static str); 1], Counter>,
+    retention_deleted: Family<[(&'static str, &'static str); 1], Counter>,
     unacknowledged_messages: Gauge,
     unacknowledged_bytes: Gauge,
     unconfirmed: Gauge,
@@ -369,6 +380,9 @@ impl Telemetry {
             dead_lettered: Family::default(),
             reconnects: Family::default(),
             sessions: Counter::default(),
+            journal_written: Counter::default(),
+            journal_dropped: Family::default(),
+            retention_deleted: Family::default(),
             unacknowledged_messages: Gauge::default(),
             unacknowledged_bytes: Gauge::default(),
             unconfirmed: Gauge::default(),
@@ -479,6 +493,24 @@ impl Telemetry {
             t.sessions.clone(),
         );
         registry.register(
+            total(JOURNAL_ROWS_WRITTEN_TOTAL),
+            "Rows written to outbox.journal (run --journal)",
+            t.journal_written.clone(),
+        );
+        for reason in ["buffer_full", "write_failed"] {
+            let _ = t.journal_dropped.get_or_create(&[("reason", reason)]);
+        }
+        registry.register(
+            total(JOURNAL_ROWS_DROPPED_TOTAL),
+            "Journal rows dropped (never written), by reason",
+            t.journal_dropped.clone(),
+        );
+        registry.register(
+            total(RETENTION_ROWS_DELETED_TOTAL),
+            "Rows deleted by the retention task, by table",
+            t.retention_deleted.clone(),
+        );
+        registry.register(
             SINCE_STATUS_UPDATE_SECONDS,
             "Seconds since the last standby status update",
             t.since_status.clone(),
@@ -581,6 +613,25 @@ impl Telemetry {
     /// `slot_busy`).
     pub fn reconnect(&self, cause: &'static str) {
         self.reconnects.get_or_create(&[("cause", cause)]).inc();
+    }
+
+    /// `rows` journal rows were written.
+    pub fn journal_written(&self, rows: u64) {
+        self.journal_written.inc_by(rows);
+    }
+
+    /// `rows` journal rows were dropped for `reason` (`buffer_full`, `write_failed`).
+    pub fn journal_dropped(&self, reason: &'static str, rows: u64) {
+        self.journal_dropped
+            .get_or_create(&[("reason", reason)])
+            .inc_by(rows);
+    }
+
+    /// The retention task deleted `rows` rows of `table` (`idempotency`, `journal`).
+    pub fn retention_deleted(&self, table: &'static str, rows: u64) {
+        self.retention_deleted
+            .get_or_create(&[("table", table)])
+            .inc_by(rows);
     }
 
     /// A publish was nacked.

@@ -16,6 +16,7 @@ mod gaps;
 mod hardening;
 mod harness_smoke;
 mod inbox;
+mod journal;
 mod lifecycle;
 mod lockdown;
 mod observability;

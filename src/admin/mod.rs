@@ -6,7 +6,10 @@
 //!   messages a slot still holds;
 //! - [`dead_letters`]: `outbox.dead_letter`: the streamer's writes, and the `dead-letters`
 //!   commands (list, requeue, purge);
-//! - [`lockdown`]: `setup --lockdown` / `--unlock` and the lockdown record.
+//! - [`lockdown`]: `setup --lockdown` / `--unlock` and the lockdown record;
+//! - [`journal`]: `outbox.journal`, the delivery journal (`run --journal`, `pgoutbox journal`);
+//! - [`retention`]: deleting expired idempotency keys, journal rows and inbox records in
+//!   small batches (`run`'s retention task, `pgoutbox maintenance`).
 //!
 //! This module holds the connection itself: [`connect`] and [`describe_target`].
 
@@ -19,8 +22,10 @@ use crate::error::Error;
 
 pub mod dead_letters;
 pub mod inspection;
+pub mod journal;
 pub mod lockdown;
 pub mod provisioning;
+pub mod retention;
 
 pub use dead_letters::{
     list_dead_letters, purge_dead_letters, requeue_dead_letters, write_dead_letter, DeadLetter,

@@ -335,6 +335,10 @@ pub async fn setup(
             .await
             .map_err(|e| Error::sql("installing sql/inbox.sql", e))?;
     }
+    client
+        .batch_execute(&install_sql(super::journal::JOURNAL_SQL, schema, &prefix))
+        .await
+        .map_err(|e| Error::sql(format!("installing sql/journal.sql in schema {schema}"), e))?;
     let publication_created = !publication_exists(client, publication).await?;
     if publication_created {
         client

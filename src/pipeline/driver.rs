@@ -19,6 +19,8 @@ use tokio::time::Instant;
 
 use super::dead_letter::DeadLetterWriter;
 use super::event_loop::Core;
+use super::journal::{JournalHandle, JournalWriter};
+use super::retention::RetentionTask;
 use super::standby::{note_role, Standby};
 use super::RunSummary;
 use crate::admin;
@@ -233,6 +235,17 @@ pub async fn run(
             "RabbitMQ nodes, in the order they are tried"
         );
     }
+    // Both background tasks have their own SQL session and never hold back the stream.
+    let _retention = RetentionTask::start(config.retention, &pg, &telemetry);
+    let journal = JournalWriter::start(
+        config.journal,
+        &pg,
+        &config.slot,
+        crate::config::MAX_STATUS_INTERVAL,
+        &telemetry,
+    );
+    let journal_handle = journal.handle();
+    let result: Result<RunSummary, Error> = async {
     let mut summary = RunSummary::default();
     let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
     loop {
@@ -244,6 +257,7 @@ pub async fn run(
             &mut memory,
             &mut summary,
             &telemetry,
+            &journal_handle,
         )
         .await;
         telemetry.set_phase(Phase::Connecting);
@@ -287,6 +301,11 @@ pub async fn run(
             _ = beating(&telemetry, tokio::time::sleep(delay)) => {}
         }
     }
+    }
+    .await;
+    // The journal's last rows (the messages are settled whatever happens to them).
+    journal.close().await;
+    result
 }
 
 impl SessionMemory {
@@ -339,6 +358,7 @@ async fn run_session(
     memory: &mut SessionMemory,
     summary: &mut RunSummary,
     telemetry: &Arc<Telemetry>,
+    journal: &JournalHandle,
 ) -> Result<(), Error> {
     memory.unsettled_at_end = 0;
     telemetry.set_phase(Phase::Connecting);
@@ -365,6 +385,7 @@ async fn run_session(
     } = connected;
     telemetry.session_started();
     note_role(telemetry, &config.slot, Role::Active, None);
+    journal.set_interval(interval);
     let mut core = Core::new(
         config.clone(),
         stream,
@@ -377,6 +398,7 @@ async fn run_session(
         Arc::clone(telemetry),
         lockdown,
         prefix,
+        journal.clone(),
     );
     let result = core.run_loop(&mut publisher, shutdown).await;
     memory.nodes.session_ended(

@@ -18,6 +18,7 @@ use super::dead_letter::{DeadLetterWriter, Job, Written};
 use super::driver::BrokerLimit;
 use super::feedback::{Feedback, StallWatch};
 use super::in_flight::{InFlight, InFlightTable, Seq};
+use super::journal::JournalHandle;
 use super::RunSummary;
 use crate::config::{Failpoint, RunConfig, UnroutablePolicy};
 use crate::envelope;
@@ -94,6 +95,8 @@ pub(super) struct Core {
     /// The logical-message prefix published (the outbox's, [`crate::outbox_schema`]);
     /// messages with other prefixes are acknowledged without publishing.
     prefix: crate::outbox_schema::MessagePrefix,
+    /// The delivery journal (`--journal`; a no-op when off).
+    journal: JournalHandle,
 }
 
 impl Core {
@@ -112,6 +115,7 @@ impl Core {
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
         prefix: crate::outbox_schema::MessagePrefix,
+        journal: JournalHandle,
     ) -> Self {
         let stall = StallWatch::new(config.stall_after);
         let router = Router::new(config.exchange.clone(), config.allowed_exchanges.clone());
@@ -135,6 +139,7 @@ impl Core {
             latency: LatencyBatch::default(),
             lockdown,
             prefix,
+            journal,
         }
     }
 
@@ -443,6 +448,8 @@ impl Core {
                         .remove(seq)
                         .ok_or_else(|| Error::Stream("lost in-flight record".into()))?;
                     self.settle(&m)?;
+                    // After the settle: the journal never holds back acknowledgement.
+                    self.journal.record(&m, now_us);
                     self.summary.confirmed += 1;
                     self.latency.observe_us(now_us - m.commit_time_us);
                     if let Some(Failpoint::AbortAfterConfirms(n)) = self.config.failpoint {

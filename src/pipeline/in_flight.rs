@@ -344,7 +344,13 @@ mod tests {
     fn metadata_maps_to_amqp_properties_and_headers_in_both_shapes() {
         for shape in [PublishProperties::Full, PublishProperties::Minimal] {
             let out = record(1)
-                .to_outbound(0, v3_envelope(full_meta()), Exchange::Configured, shape, None)
+                .to_outbound(
+                    0,
+                    v3_envelope(full_meta()),
+                    Exchange::Configured,
+                    shape,
+                    None,
+                )
                 .unwrap();
             let p = &out.properties;
             assert_eq!(
@@ -383,7 +389,13 @@ mod tests {
         let mut env = v3_envelope(Metadata::default());
         env.headers.clear();
         let out = record(1)
-            .to_outbound(0, env.clone(), Exchange::Configured, PublishProperties::Minimal, None)
+            .to_outbound(
+                0,
+                env.clone(),
+                Exchange::Configured,
+                PublishProperties::Minimal,
+                None,
+            )
             .unwrap();
         let p = &out.properties;
         assert!(p.headers().is_none(), "{:?}", p.headers());

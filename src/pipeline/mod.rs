@@ -32,7 +32,10 @@
 //!   here;
 //! - `dead_letter`: the dead-letter writer, a task with bounded waits and retries, so a
 //!   lock on `outbox.dead_letter` never stops status updates or confirms;
-//! - `feedback`: when to send a standby status update, and of which kind; stall detection.
+//! - `feedback`: when to send a standby status update, and of which kind; stall detection;
+//! - `journal`: the delivery journal writer (`--journal`), a task with a bounded buffer
+//!   fed after a message is settled, so it never holds back acknowledgement;
+//! - `retention`: the task that deletes expired idempotency keys and journal rows.
 //!
 //! Sources: PostgreSQL docs, "Streaming Replication Protocol" and "Logical Streaming
 //! Replication Protocol"; RabbitMQ "Publisher Confirms".
@@ -42,6 +45,8 @@ pub mod driver;
 mod event_loop;
 mod feedback;
 mod in_flight;
+mod journal;
+mod retention;
 mod standby;
 
 pub use driver::run;
