@@ -437,6 +437,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
 /// for bad arguments (clap).
 async fn maintenance(args: pgoutbox::cli::MaintenanceArgs) -> Result<u8, Error> {
     use pgoutbox::admin::retention::{purge, Purgeable, Purged};
+    let schema = args.db.schema()?;
     let client = admin::connect(&args.db.url.config()?).await?;
     let mut failed = 0;
     for (table, retention) in [
@@ -445,7 +446,7 @@ async fn maintenance(args: pgoutbox::cli::MaintenanceArgs) -> Result<u8, Error> 
         (Purgeable::Inbox, args.inbox_retention),
     ] {
         let what = table.describe();
-        match purge(&client, table, retention, args.batch_size, MAINTENANCE_PAUSE).await {
+        match purge(&client, &schema, table, retention, args.batch_size, MAINTENANCE_PAUSE).await {
             Ok(Purged::Deleted { rows, batches }) => println!(
                 "{what}: deleted {rows} older than {retention} ({batches} statement{} of at most {} rows)",
                 if batches == 1 { "" } else { "s" },
@@ -469,7 +470,8 @@ const MAINTENANCE_PAUSE: std::time::Duration = std::time::Duration::from_millis(
 /// `journal MESSAGE_ID`: prints the entries (exit 0), or says there are none (exit 1).
 async fn journal(args: pgoutbox::cli::JournalArgs) -> Result<u8, Error> {
     let client = admin::connect(&args.db.url.config()?).await?;
-    let rows = admin::journal::journal_entries(&client, &args.message_id).await?;
+    let rows =
+        admin::journal::journal_entries(&client, &args.db.schema()?, &args.message_id).await?;
     if args.json {
         println!("{}", serde_json::to_string(&rows).unwrap_or_default());
     } else {

@@ -7,6 +7,7 @@ use tokio_postgres::Client;
 
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::outbox_schema::SchemaName;
 
 /// The journal's table, installed by `setup`.
 pub const JOURNAL_SQL: &str = include_str!("../../sql/journal.sql");
@@ -35,6 +36,7 @@ pub struct JournalEntry {
 /// [`Error::Sql`] when the insert fails (table missing, permission, timeout, connection).
 pub async fn write_journal(
     client: &Client,
+    schema: &SchemaName,
     slot: &str,
     entries: &[JournalEntry],
 ) -> Result<u64, Error> {
@@ -49,9 +51,9 @@ pub async fn write_journal(
     let confirmed: Vec<i64> = entries.iter().map(|e| e.confirmed_at_us).collect();
     client
         .execute(
-            "INSERT INTO outbox.journal (message_id, topic, lsn, commit_lsn, attempts, confirmed_at, slot_name)
+            &*schema.rewrite("INSERT INTO outbox.journal (message_id, topic, lsn, commit_lsn, attempts, confirmed_at, slot_name)
              SELECT m, t, l::pg_lsn, c::pg_lsn, a, timestamptz 'epoch' + us * interval '1 microsecond', $7::text
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::bigint[]) AS u(m, t, l, c, a, us)",
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::bigint[]) AS u(m, t, l, c, a, us)"),
             &[&ids, &topics, &lsns, &commits, &attempts, &confirmed, &slot],
         )
         .await
@@ -82,9 +84,16 @@ pub struct JournalRow {
 /// # Errors
 /// [`Error::Precondition`] when `outbox.journal` does not exist (run `setup`);
 /// [`Error::Sql`] otherwise.
-pub async fn journal_entries(client: &Client, message_id: &str) -> Result<Vec<JournalRow>, Error> {
+pub async fn journal_entries(
+    client: &Client,
+    schema: &SchemaName,
+    message_id: &str,
+) -> Result<Vec<JournalRow>, Error> {
     let exists: bool = client
-        .query_one("SELECT to_regclass('outbox.journal') IS NOT NULL", &[])
+        .query_one(
+            &*schema.rewrite("SELECT to_regclass('outbox.journal') IS NOT NULL"),
+            &[],
+        )
         .await
         .map_err(|e| Error::sql("looking for outbox.journal", e))?
         .get(0);
@@ -95,11 +104,13 @@ pub async fn journal_entries(client: &Client, message_id: &str) -> Result<Vec<Jo
     }
     let rows = client
         .query(
-            "SELECT message_id, topic, lsn::text, commit_lsn::text, attempts,
+            &*schema.rewrite(
+                "SELECT message_id, topic, lsn::text, commit_lsn::text, attempts,
                     to_char(confirmed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
                     slot_name
              FROM outbox.journal WHERE message_id = $1
              ORDER BY confirmed_at, lsn",
+            ),
             &[&message_id],
         )
         .await

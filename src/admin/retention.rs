@@ -16,6 +16,7 @@ use tokio_postgres::Client;
 
 use crate::config::Retention;
 use crate::error::Error;
+use crate::outbox_schema::SchemaName;
 
 /// A table that retention trims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +84,15 @@ impl Purgeable {
         }
     }
 
+    /// `sql` for the outbox in `schema` (`--schema`): the idempotency keys and the journal
+    /// live in each outbox's schema; the inbox is consumer-side, always in `outbox`.
+    fn in_schema<'a>(self, schema: &SchemaName, sql: &'a str) -> std::borrow::Cow<'a, str> {
+        match self {
+            Purgeable::Inbox => std::borrow::Cow::Borrowed(sql),
+            Purgeable::IdempotencyKeys | Purgeable::Journal => schema.rewrite(sql),
+        }
+    }
+
     /// What to do when it is not installed.
     pub fn missing_note(self) -> &'static str {
         match self {
@@ -123,6 +133,7 @@ pub enum Purged {
 /// statement timeout, lost connection).
 pub async fn purge(
     client: &Client,
+    schema: &SchemaName,
     table: Purgeable,
     retention: Retention,
     batch: u32,
@@ -133,7 +144,7 @@ pub async fn purge(
     };
     let context = || format!("deleting expired {}", table.describe());
     let installed: bool = client
-        .query_one(table.probe(), &[])
+        .query_one(&*table.in_schema(schema, table.probe()), &[])
         .await
         .map_err(|e| Error::sql(context(), e))?
         .get(0);
@@ -143,7 +154,7 @@ pub async fn purge(
     let age_ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
     let batch_size = i32::try_from(batch.max(1)).unwrap_or(i32::MAX);
     let statement = client
-        .prepare(table.batch_sql())
+        .prepare(&*table.in_schema(schema, table.batch_sql()))
         .await
         .map_err(|e| Error::sql(context(), e))?;
     let mut rows = 0u64;

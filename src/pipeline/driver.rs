@@ -236,10 +236,11 @@ pub async fn run(
         );
     }
     // Both background tasks have their own SQL session and never hold back the stream.
-    let _retention = RetentionTask::start(config.retention, &pg, &telemetry);
+    let _retention = RetentionTask::start(config.retention, &pg, &config.schema, &telemetry);
     let journal = JournalWriter::start(
         config.journal,
         &pg,
+        &config.schema,
         &config.slot,
         crate::config::MAX_STATUS_INTERVAL,
         &telemetry,

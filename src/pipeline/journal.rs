@@ -83,6 +83,7 @@ impl JournalWriter {
     pub fn start(
         mode: JournalMode,
         pg: &DatabaseConfig,
+        schema: &crate::outbox_schema::SchemaName,
         slot: &str,
         interval: Duration,
         telemetry: &Arc<Telemetry>,
@@ -106,6 +107,7 @@ impl JournalWriter {
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(write_task(
             pg.clone(),
+            schema.clone(),
             slot.to_owned(),
             rx,
             Arc::clone(&shared),
@@ -223,6 +225,7 @@ async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::e
 /// writes it in one statement; on `stop`, writes what is left and returns.
 async fn write_task(
     pg: DatabaseConfig,
+    schema: crate::outbox_schema::SchemaName,
     slot: String,
     mut rx: mpsc::Receiver<JournalEntry>,
     shared: Arc<Shared>,
@@ -246,6 +249,7 @@ async fn write_task(
         if !batch.is_empty() {
             write_batch(
                 &pg,
+                &schema,
                 &slot,
                 &mut client,
                 &mut batch,
@@ -262,6 +266,7 @@ async fn write_task(
 
 async fn write_batch(
     pg: &DatabaseConfig,
+    schema: &crate::outbox_schema::SchemaName,
     slot: &str,
     client: &mut Option<tokio_postgres::Client>,
     batch: &mut Vec<JournalEntry>,
@@ -274,7 +279,7 @@ async fn write_batch(
             *client = Some(connect(pg).await?);
         }
         let c = client.as_ref().expect("connected above");
-        write_journal(c, slot, batch).await
+        write_journal(c, schema, slot, batch).await
     }
     .await;
     batch.clear();

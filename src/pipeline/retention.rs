@@ -43,6 +43,7 @@ impl RetentionTask {
     pub fn start(
         settings: RetentionSettings,
         pg: &DatabaseConfig,
+        schema: &crate::outbox_schema::SchemaName,
         telemetry: &Arc<Telemetry>,
     ) -> RetentionTask {
         if settings.idempotency.age().is_none() && settings.journal.age().is_none() {
@@ -58,6 +59,7 @@ impl RetentionTask {
         RetentionTask(Some(tokio::spawn(retention_task(
             settings,
             pg.clone(),
+            schema.clone(),
             Arc::clone(telemetry),
         ))))
     }
@@ -79,6 +81,7 @@ async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::e
 async fn retention_task(
     settings: RetentionSettings,
     pg: DatabaseConfig,
+    schema: crate::outbox_schema::SchemaName,
     telemetry: Arc<Telemetry>,
 ) {
     let mut client: Option<tokio_postgres::Client> = None;
@@ -100,7 +103,7 @@ async fn retention_task(
                     client = Some(connect(&pg).await?);
                 }
                 let c = client.as_ref().expect("connected above");
-                purge(c, table, retention, BATCH_ROWS, BATCH_PAUSE).await
+                purge(c, &schema, table, retention, BATCH_ROWS, BATCH_PAUSE).await
             }
             .await;
             match result {

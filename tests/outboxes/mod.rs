@@ -44,12 +44,12 @@ impl<'a> Service<'a> {
     }
 
     /// A `pgoutbox` subcommand with this service's database, schema, slot and publication.
-    /// (`dead-letters` takes no slot or publication).
+    /// (`dead-letters`, `journal` and `maintenance` take no slot or publication).
     fn cli(&self, args: &[&str]) -> std::process::Output {
         let url = self.ob.url();
         let mut full: Vec<&str> = args.to_vec();
         full.extend(["--database-url", &url, "--schema", &self.schema]);
-        if args[0] != "dead-letters" {
+        if !["dead-letters", "journal", "maintenance"].contains(&args[0]) {
             full.extend(["--slot", &self.slot, "--publication", &self.publication]);
         }
         std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
@@ -62,10 +62,16 @@ impl<'a> Service<'a> {
 
     /// `run` for this outbox, as the least-privilege streamer role.
     fn run(&self) -> Streamer {
-        let args = [
+        self.run_with(&[])
+    }
+
+    /// `run` for this outbox with `extra` arguments.
+    fn run_with(&self, extra: &[&str]) -> Streamer {
+        let url = self.ob.streamer_url();
+        let mut args = vec![
             "run",
             "--database-url",
-            &self.ob.streamer_url(),
+            &url,
             "--amqp-url",
             &self.ob.amqp_url,
             "--schema",
@@ -77,6 +83,7 @@ impl<'a> Service<'a> {
             "--exchange",
             &self.exchange,
         ];
+        args.extend_from_slice(extra);
         Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=debug")])
     }
 
@@ -543,4 +550,63 @@ async fn schemas_and_prefixes_are_validated_and_lockdown_stays_with_the_default_
         "billing",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// The delivery journal and the idempotency keys of a non-default outbox live in its schema:
+/// `run --schema S --journal` writes `S.journal`, its retention task trims `S.idempotency`,
+/// and `journal --schema S` reads them (regression: both used schema `outbox` whatever
+/// `--schema` said, so a service's keys were never deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_journal_and_idempotency_keys_live_in_its_schema() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "ob_journal").await;
+    let svc = Service::new(&ob, "jr").await;
+    let schema = &svc.schema;
+    ob.sql(&format!(
+        "INSERT INTO \"{schema}\".idempotency (tenant, idempotency_key, message_id, created_at)
+         VALUES ('', 'expired', 'm-old', now() - interval '30 days')"
+    ));
+    let streamer = svc.run_with(&["--journal", "--maintenance-interval", "1s"]);
+    ob.sql(&format!(
+        "SELECT \"{schema}\".emit('t.j', '{{}}', message_id => 'jr-1', idempotency_key => 'fresh')"
+    ));
+    let got = drain_queue(&ob.amqp_url, &svc.queue, 1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(sorted_ids(&got), ["jr-1"], "{}", streamer.log());
+    let count = |table: &str, cond: &str| -> i64 {
+        ob.sql(&format!("SELECT count(*) FROM {table} WHERE {cond}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let journal = format!("\"{schema}\".journal");
+    let keys = format!("\"{schema}\".idempotency");
+    assert!(
+        crate::support::wait_until(scaled(Duration::from_secs(20)), || async {
+            count(&journal, "message_id = 'jr-1'") == 1
+                && count(&keys, "idempotency_key = 'expired'") == 0
+        })
+        .await,
+        "journal rows {}, expired keys {}:\n{}",
+        count(&journal, "message_id = 'jr-1'"),
+        count(&keys, "idempotency_key = 'expired'"),
+        streamer.log()
+    );
+    assert_eq!(
+        count(&keys, "idempotency_key = 'fresh'"),
+        1,
+        "the new key is kept"
+    );
+    assert_eq!(
+        count("outbox.journal", "true"),
+        0,
+        "nothing in the default outbox's journal"
+    );
+    let out = svc.cli(&["journal", "jr-1"]);
+    assert!(
+        out.status.success() && stdout(&out).contains("id=jr-1"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
 }
