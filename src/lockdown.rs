@@ -8,9 +8,10 @@
 //! (`enabled_at_lsn`). `setup --unlock` (`sql/unlock.sql`) writes [`MARKER_OFF`] and deletes
 //! the record.
 //!
-//! Under lockdown, an outbox message at an LSN after the marker that is not a version-2
-//! envelope with an emitter ([`crate::envelope::Envelope::emitted_by`]) did not come through
-//! the current helpers and is dead-lettered as `forged` (never published). Messages written
+//! Under lockdown, an outbox message at an LSN after the marker that is not a version-2 (or
+//! later) envelope with an emitter ([`crate::envelope::Envelope::emitted_by`]) did not come
+//! through the current helpers and is dead-lettered as `forged` (never published); an
+//! unknown newer version is `unsupported_envelope` instead (never published either). Messages written
 //! before the marker are delivered as usual, whenever their transaction commits.
 //!
 //! # How the streamer learns the state, and why no message slips through

@@ -802,7 +802,7 @@ impl Core {
                         Err(envelope::EnvelopeError::UnsupportedVersion { .. }) => {}
                         other => {
                             let what = match other {
-                                Ok(_) => "an envelope without an emitter (version 1, or version 2 without emitted_by)".to_owned(),
+                                Ok(_) => "an envelope without an emitter (version 1, or version 2 or 3 without emitted_by)".to_owned(),
                                 Err(e) => format!("no valid envelope ({e})"),
                             };
                             let error = self.forged_error(m.lsn, &what);
