@@ -154,7 +154,7 @@ pub async fn purge(
     let age_ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
     let batch_size = i32::try_from(batch.max(1)).unwrap_or(i32::MAX);
     let statement = client
-        .prepare(&*table.in_schema(schema, table.batch_sql()))
+        .prepare(&table.in_schema(schema, table.batch_sql()))
         .await
         .map_err(|e| Error::sql(context(), e))?;
     let mut rows = 0u64;
