@@ -678,8 +678,11 @@ async fn duplicates_published_on_purpose_are_applied_once() {
     }
     rig.publish(&messages).await;
     let consumer = rig.consumer(&["--prefetch", "20"]);
+    // Done when the consumer has handled all 400 deliveries. The queue's message count
+    // alone is no sign: it counts ready messages only, and up to `--prefetch` deliveries
+    // can still be unacked in the consumer when it reads 0.
     let done = wait_until(scaled(Duration::from_secs(60)), || async {
-        rig.ledger_rows() >= 190 && rig.queue_len(&rig.queue).await == 0
+        rig.ledger_rows() >= 190 && consumer.log_count("inbox: duplicate") >= 210
     })
     .await;
     assert!(done, "not drained: {:?}\n{}", rig.applied(), consumer.log());
@@ -688,6 +691,8 @@ async fn duplicates_published_on_purpose_are_applied_once() {
         .wait_exit(scaled(Duration::from_secs(10)))
         .await
         .is_some());
+    // With no consumer left, anything unacked would be back in the ready count.
+    assert_eq!(rig.queue_len(&rig.queue).await, 0, "every delivery acked");
     assert_eq!(rig.applied(), (190, 190), "each new id applied once");
     assert_eq!(rig.count("SELECT sum(balance) FROM account_balance"), 190);
     assert_eq!(
@@ -798,8 +803,11 @@ async fn two_consumers_on_one_queue_apply_each_event_once() {
         );
     }
     rig.publish(&messages).await;
+    // Done when the two consumers together handled all 2n deliveries (see the duplicates
+    // test: a ready count of 0 can still leave deliveries unacked in a consumer).
     let done = wait_until(scaled(Duration::from_secs(60)), || async {
-        rig.ledger_rows() >= n as i64 && rig.queue_len(&rig.queue).await == 0
+        rig.ledger_rows() >= n as i64
+            && a.log_count("inbox: duplicate") + b.log_count("inbox: duplicate") >= n
     })
     .await;
     assert!(
@@ -813,6 +821,7 @@ async fn two_consumers_on_one_queue_apply_each_event_once() {
         c.sigterm();
         assert!(c.wait_exit(scaled(Duration::from_secs(10))).await.is_some());
     }
+    assert_eq!(rig.queue_len(&rig.queue).await, 0, "every delivery acked");
     assert_eq!(
         rig.applied(),
         (n as i64, n as i64),
