@@ -40,8 +40,8 @@
 //! `x-pgoutbox-commit-time-us` as i64), the **minimal** shape only delivery_mode 2,
 //! message_id, mandatory and the routing key (what the Node relay sends, too).
 //! ratio = msg/s / min(decode ceiling, broker ceiling of the shape the row sent).
-//! Scenarios 1-3 are repeated `--runs` times (default 3, quick 1) and reported as median
-//! [min-max]. A Markdown table goes to stdout, raw figures to
+//! Every scenario, the steady-state rates of scenario 4 included, is repeated `--runs` times
+//! (default 3, quick 1) and reported as median [min-max]. A Markdown table goes to stdout, raw figures to
 //! `target/bench/results-<timestamp>.json`, relay logs to `target/bench/`.
 
 use std::collections::HashMap;
@@ -92,6 +92,10 @@ const PRODUCER_SYNC_COMMIT: &str = "on";
 const LATENCY_RATES: [f64; 3] = [1_000.0, 2_000.0, 4_000.0];
 /// The rate of `--quick`'s one steady-state row (msg/s): the low-rate row.
 const QUICK_LATENCY_RATE: f64 = 1_000.0;
+/// The first part of each steady-state run that its latency quantiles leave out (a new
+/// relay process, its connections and the broker's new queue settle in); the CPU figures
+/// cover the whole run.
+const LATENCY_WARMUP: Duration = Duration::from_secs(1);
 /// Where the Node relay peer is copied and installed, under the repository.
 const NODE_PEER_DIR: &str = "target/peer-node";
 /// The logical-message prefix of `sql/outbox.sql` (the Node relay filters on it).
@@ -1839,6 +1843,10 @@ struct ConfirmHistogram {
 struct LatencyRun {
     /// The row's label ("pgoutbox full", "Node relay").
     relay: String,
+    /// Which of the `--runs` repetitions (from 1).
+    run: u32,
+    /// Messages committed in the first `warmup_s` seconds are left out of the quantiles.
+    warmup_s: f64,
     target_msgs_per_s: f64,
     rate_source: String,
     duration_s: u64,
@@ -2031,6 +2039,7 @@ async fn latency_case(
     rate: f64,
     rate_source: &str,
     dur: u64,
+    run: u32,
 ) -> R<LatencyRun> {
     let tag = format!("s4_{rate:.0}_{}", relay.key());
     let db = format!("bench_{tag}");
@@ -2159,6 +2168,7 @@ async fn latency_case(
         cpu_of(&self_pid),
     );
     let start = Instant::now();
+    let measured_from_us = now_us() + LATENCY_WARMUP.as_micros() as i64;
     let end = start + Duration::from_secs(dur);
     let mut tasks = Vec::new();
     for p in 0..LATENCY_PRODUCERS {
@@ -2272,6 +2282,7 @@ async fn latency_case(
                 .or_else(|| parse_lsn(m).and_then(|l| by_lsn.get(&l)))
         });
         match committed {
+            Some(t) if *t < measured_from_us => continue,
             Some(t) => from_return.push(r.recv_us - t),
             None => unmatched += 1,
         }
@@ -2285,6 +2296,8 @@ async fn latency_case(
     };
     Ok(LatencyRun {
         relay: relay.label().to_string(),
+        run,
+        warmup_s: LATENCY_WARMUP.as_secs_f64(),
         target_msgs_per_s: rate,
         rate_source: rate_source.to_string(),
         duration_s: dur,
@@ -2545,11 +2558,12 @@ fn ms_pair(a: f64, b: f64) -> String {
     format!("{a:.2} / {b:.2}")
 }
 
-/// Scenario 4: pgoutbox and the Node relay side by side per rate, then every run in detail.
+/// Scenario 4: pgoutbox and the Node relay side by side per rate (median [min–max] over the
+/// runs), then every run in detail.
 fn latency_tables(runs: &[LatencyRun]) -> String {
     let mut out = String::from(
-        "| target msg/s | achieved msg/s (pgoutbox / Node) | pgoutbox p50 / p99 ms | Node relay p50 / p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
-         |---|---|---|---|---|---|---|---|\n",
+        "| target msg/s | runs | achieved msg/s (pgoutbox / Node) | pgoutbox p50 ms | pgoutbox p99 ms | Node relay p50 ms | Node relay p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut rates: Vec<f64> = Vec::new();
     for r in runs {
@@ -2558,50 +2572,79 @@ fn latency_tables(runs: &[LatencyRun]) -> String {
         }
     }
     let dash = || "–".to_string();
+    let median = |v: Vec<f64>| median_min_max(v).0;
     for rate in rates {
-        let p = runs
+        let p: Vec<&LatencyRun> = runs
             .iter()
-            .find(|r| r.target_msgs_per_s == rate && r.relay.starts_with("pgoutbox"));
-        let n = runs
+            .filter(|r| r.target_msgs_per_s == rate && r.relay.starts_with("pgoutbox"))
+            .collect();
+        let n: Vec<&LatencyRun> = runs
             .iter()
-            .find(|r| r.target_msgs_per_s == rate && r.relay == Relay::Node.label());
-        let q = |r: Option<&LatencyRun>| {
-            r.map(|r| ms_pair(r.from_commit_return.p50_ms, r.from_commit_return.p99_ms))
-                .unwrap_or_else(dash)
+            .filter(|r| r.target_msgs_per_s == rate && r.relay == Relay::Node.label())
+            .collect();
+        let mmm = |v: &[&LatencyRun], f: &dyn Fn(&LatencyRun) -> f64, prec: usize| {
+            if v.is_empty() {
+                dash()
+            } else {
+                fmt_mmm(v.iter().map(|r| f(r)).collect(), prec)
+            }
         };
-        let both = |f: &dyn Fn(&LatencyRun) -> String| {
-            format!(
-                "{} / {}",
-                p.map(f).unwrap_or_else(dash),
-                n.map(f).unwrap_or_else(dash)
-            )
+        let med = |v: &[&LatencyRun], f: &dyn Fn(&LatencyRun) -> f64, prec: usize| {
+            if v.is_empty() {
+                dash()
+            } else {
+                format!("{:.prec$}", median(v.iter().map(|r| f(r)).collect()))
+            }
+        };
+        let med_pair = |v: Vec<(f64, f64)>| {
+            if v.is_empty() {
+                dash()
+            } else {
+                ms_pair(
+                    median(v.iter().map(|x| x.0).collect()),
+                    median(v.iter().map(|x| x.1).collect()),
+                )
+            }
         };
         let _ = writeln!(
             out,
-            "| {rate:.0} | {} | {} | {} | {} | {} | {} | {} |",
-            both(&|r| format!("{:.0}", r.achieved_msgs_per_s)),
-            q(p),
-            q(n),
-            p.and_then(|r| r.confirm_histogram.as_ref())
-                .map(|h| ms_pair(h.p50_ms, h.p99_ms))
-                .unwrap_or_else(dash),
-            p.and_then(|r| r.from_commit_header.as_ref())
-                .map(|h| ms_pair(h.p50_ms, h.p99_ms))
-                .unwrap_or_else(dash),
-            both(&|r| format!("{:.1}", r.cpu_us_per_msg)),
-            both(&|r| format!("{:.0}%", r.machine_cpu_busy * 100.0)),
+            "| {rate:.0} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            p.len().max(n.len()),
+            med(&p, &|r| r.achieved_msgs_per_s, 0),
+            med(&n, &|r| r.achieved_msgs_per_s, 0),
+            mmm(&p, &|r| r.from_commit_return.p50_ms, 2),
+            mmm(&p, &|r| r.from_commit_return.p99_ms, 2),
+            mmm(&n, &|r| r.from_commit_return.p50_ms, 2),
+            mmm(&n, &|r| r.from_commit_return.p99_ms, 2),
+            med_pair(
+                p.iter()
+                    .filter_map(|r| r.confirm_histogram.as_ref())
+                    .map(|h| (h.p50_ms, h.p99_ms))
+                    .collect()
+            ),
+            med_pair(
+                p.iter()
+                    .filter_map(|r| r.from_commit_header.as_ref())
+                    .map(|h| (h.p50_ms, h.p99_ms))
+                    .collect()
+            ),
+            med(&p, &|r| r.cpu_us_per_msg, 1),
+            med(&n, &|r| r.cpu_us_per_msg, 1),
+            med(&p, &|r| r.machine_cpu_busy * 100.0, 0) + "%",
+            med(&n, &|r| r.machine_cpu_busy * 100.0, 0) + "%",
         );
     }
     out.push_str(
-        "\n| relay | target msg/s | achieved | received | unmatched | p50 ms | p95 ms | p99 ms | max ms | CPU µs/msg | peak RSS MB | machine busy | CPU µs/msg of Postgres / RabbitMQ / bench clients |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "\n| relay | run | target msg/s | achieved | received | unmatched | p50 ms | p95 ms | p99 ms | max ms | CPU µs/msg | peak RSS MB | machine busy | CPU µs/msg of Postgres / RabbitMQ / bench clients |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in runs {
         let l = &r.from_commit_return;
         let _ = writeln!(
             out,
-            "| {} | {:.0} | {:.0} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% | {:.0} / {:.0} / {:.0} |",
+            "| {} | {} | {:.0} | {:.0} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} | {:.0}% | {:.0} / {:.0} / {:.0} |",
             r.relay,
+            r.run,
             r.target_msgs_per_s,
             r.achieved_msgs_per_s,
             r.received,
@@ -2848,21 +2891,29 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             v
         };
         let relays = with_node(vec![Relay::Pgoutbox(Shape::Full, Metrics::On)]);
-        for (rate, source) in rates {
-            for relay in &relays {
-                match latency_case(&ctx, *relay, rate, &source, sz.s4_secs).await {
-                    Ok(l) => {
-                        eprintln!(
-                            "bench: [s4] {} at {rate:.0} msg/s: p50 {:.2} ms, p99 {:.2} ms",
-                            l.relay, l.from_commit_return.p50_ms, l.from_commit_return.p99_ms
-                        );
-                        latency.push(l);
-                    }
-                    Err(e) if *relay == Relay::Node => eprintln!(
-                        "bench: WARNING: [s4] the Node relay failed at {rate:.0} msg/s, row \
+        for run in 1..=args.runs {
+            for (rate, source) in &rates {
+                let rate = *rate;
+                // As in scenarios 1-3, every other run takes the relays in the reverse order.
+                let mut order = relays.clone();
+                if run % 2 == 0 {
+                    order.reverse();
+                }
+                for relay in &order {
+                    match latency_case(&ctx, *relay, rate, source, sz.s4_secs, run).await {
+                        Ok(l) => {
+                            eprintln!(
+                                "bench: [s4] {} at {rate:.0} msg/s: p50 {:.2} ms, p99 {:.2} ms",
+                                l.relay, l.from_commit_return.p50_ms, l.from_commit_return.p99_ms
+                            );
+                            latency.push(l);
+                        }
+                        Err(e) if *relay == Relay::Node => eprintln!(
+                            "bench: WARNING: [s4] the Node relay failed at {rate:.0} msg/s, row \
                          left out: {e}"
-                    ),
-                    Err(e) => return Err(e),
+                        ),
+                        Err(e) => return Err(e),
+                    }
                 }
             }
         }
@@ -2873,7 +2924,7 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "## pgoutbox benchmark ({} mode, {} run(s) of scenarios 1-3, {:.0} s)\n",
+        "## pgoutbox benchmark ({} mode, {} run(s) of each scenario, {:.0} s)\n",
         if args.quick { "quick" } else { "full" },
         args.runs,
         total_s
@@ -2935,8 +2986,9 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
              for the Node relay). pgoutbox runs the full shape. /metrics: pgoutbox's own \
              `pgoutbox_confirm_latency_seconds` (commit to broker confirm), scraped before and \
              after, differenced, quantiles interpolated within buckets. Commit-header: receive \
-             time − `x-pgoutbox-commit-time-us`.\n",
-            l.producers, l.producer_synchronous_commit, l.duration_s
+             time − `x-pgoutbox-commit-time-us`. The quantiles leave out the messages \
+             committed in the first {:.0} s of each run (warm-up); CPU covers the whole run.\n",
+            l.producers, l.producer_synchronous_commit, l.duration_s, l.warmup_s
         );
         md.push_str(&latency_tables(&latency));
     }
