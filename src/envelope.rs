@@ -361,7 +361,8 @@ pub enum EnvelopeError {
     #[error(
         "not a pgoutbox envelope: the content starts with byte {first_byte:#04x}{}, where an \
          envelope starts with its version (1 to 3); emit outbox messages with outbox.emit or \
-         outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly",
+         outbox.emit_bytes (or the emit functions of the outbox's own --schema), not \
+         pg_logical_emit_message directly",
         printable(*first_byte)
     )]
     NotAnEnvelope {
@@ -1401,7 +1402,8 @@ mod tests {
             err.to_string(),
             "not a pgoutbox envelope: the content starts with byte 0x68 ('h'), where an envelope \
              starts with its version (1 to 3); emit outbox messages with outbox.emit or \
-             outbox.emit_bytes, not pg_logical_emit_message with prefix 'pgoutbox' directly"
+             outbox.emit_bytes (or the emit functions of the outbox's own --schema), not \
+             pg_logical_emit_message directly"
         );
         for content in [&b"{\"a\": 1}"[..], b"\x00\x00", b" x", b"\xff"] {
             let err = decode(Bytes::copy_from_slice(content)).unwrap_err();

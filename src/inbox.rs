@@ -82,8 +82,9 @@ pub const DEFAULT_PREFETCH: u16 = 32;
 /// what the handler calls, few enough that a poison message leaves quickly.
 pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 
-/// The header carrying the producer's tenant (`outbox.emit(..., tenant => ...)`).
-pub const TENANT_HEADER: &str = "x-pgoutbox-tenant";
+/// The header carrying the producer's tenant (`outbox.emit(..., tenant => ...)`): the one
+/// the streamer sets, [`crate::pipeline::HEADER_TENANT`].
+pub const TENANT_HEADER: &str = crate::pipeline::HEADER_TENANT;
 
 /// The header quorum queues add to redelivered messages: how many times the message was
 /// delivered before.

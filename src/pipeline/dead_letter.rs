@@ -176,9 +176,10 @@ async fn write_task(
                         attempt = tries,
                         retry_in_ms = delay.as_millis() as u64,
                         error = %crate::error::render_report(&e),
-                        "writing a dead letter waited longer than lock_timeout ({} ms) or statement_timeout ({} ms) for a lock on outbox.dead_letter (a LOCK TABLE, VACUUM FULL or repack?); retrying. Status updates and confirms go on meanwhile; nothing after this message is acknowledged until it is written",
+                        "writing a dead letter waited longer than lock_timeout ({} ms) or statement_timeout ({} ms) for a lock on {}.dead_letter (a LOCK TABLE, VACUUM FULL or repack?); retrying. Status updates and confirms go on meanwhile; nothing after this message is acknowledged until it is written",
                         LOCK_TIMEOUT.as_millis(),
-                        STATEMENT_TIMEOUT.as_millis()
+                        STATEMENT_TIMEOUT.as_millis(),
+                        schema
                     );
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(RETRY_MAX);
