@@ -258,6 +258,16 @@ async fn two_outboxes_beside_the_default_one_each_publish_only_their_own() {
         vec!["poison|-".to_owned()]
     );
     assert_eq!(dead_letters(&ob, "outbox"), Vec::<String>::new());
+    // And the log says where they went.
+    let billing_log = streamers[1].log();
+    assert!(
+        billing_log.contains(&format!(
+            "message dead-lettered to {}.dead_letter (inspect with `pgoutbox dead-letters list --schema {}`)",
+            billing.schema, billing.schema
+        )),
+        "{billing_log}"
+    );
+    assert!(!billing_log.contains("outbox.dead_letter"), "{billing_log}");
 
     // Every slot acknowledged past all of it, the other outboxes' messages included.
     let last = [&last_default, &last_billing, &last_shipping]
