@@ -13,6 +13,11 @@ GRANT SELECT, INSERT ON outbox.dead_letter TO pgoutbox;
 GRANT USAGE ON SEQUENCE outbox.dead_letter_id_seq TO pgoutbox;
 -- It records the slot's history (the last flush LSN it reported) in outbox.stream_state.
 GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO pgoutbox;
+-- Its retention task deletes expired idempotency keys (--idempotency-retention, 7d) and
+-- journal rows (--journal-retention); `run --journal` inserts into outbox.journal. Without
+-- these `run` warns at start (retention) or refuses to start (--journal).
+GRANT SELECT, DELETE ON outbox.idempotency TO pgoutbox;
+GRANT SELECT, INSERT, DELETE ON outbox.journal TO pgoutbox;
 -- Producers: after `pgoutbox setup` created schema outbox (INSERT on outbox.idempotency
 -- only for emits with an idempotency_key).
 GRANT USAGE ON SCHEMA outbox TO app_writer;

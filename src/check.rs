@@ -290,6 +290,27 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         "dead letters",
         admin::check_dead_letter_privileges(&client, &config.schema, slot).await,
     );
+    match admin::check_background_privileges(
+        &client,
+        &config.schema,
+        slot,
+        config.journal == crate::config::JournalMode::On,
+        config.retention.idempotency.age().is_some(),
+        config.retention.journal.age().is_some(),
+    )
+    .await
+    {
+        Ok(warnings) => {
+            for w in warnings {
+                out.push(finding(Severity::Warning, "journal and retention", w));
+            }
+        }
+        Err(e) => out.push(finding(
+            Severity::Problem,
+            "journal and retention",
+            report(&e),
+        )),
+    }
     if keep == "-1" {
         out.push(finding(
             Severity::Warning,

@@ -445,7 +445,7 @@ async fn maintenance(args: pgoutbox::cli::MaintenanceArgs) -> Result<u8, Error> 
         (Purgeable::Journal, args.journal_retention),
         (Purgeable::Inbox, args.inbox_retention),
     ] {
-        let what = table.describe();
+        let what = table.describe_in(&schema);
         match purge(&client, &schema, table, retention, args.batch_size, MAINTENANCE_PAUSE).await {
             Ok(Purged::Deleted { rows, batches }) => println!(
                 "{what}: deleted {rows} older than {retention} ({batches} statement{} of at most {} rows)",

@@ -303,6 +303,95 @@ pub async fn check_dead_letter_privileges(
     )))
 }
 
+/// The privileges `run`'s background tasks need, as the `GRANT`s that give them (also in
+/// `sql/roles.example.sql`): `SELECT, DELETE` on `outbox.idempotency` for
+/// `--idempotency-retention`, `SELECT, INSERT, DELETE` on `outbox.journal` for `--journal`
+/// (`INSERT`) and `--journal-retention` (`SELECT, DELETE`). `role` is quoted as an
+/// identifier; the objects are those of `schema`.
+pub fn background_grants(schema: &SchemaName, role: &str) -> [String; 2] {
+    let role = format!("\"{}\"", role.replace('"', "\"\""));
+    [
+        format!("GRANT SELECT, DELETE ON outbox.idempotency TO {role};"),
+        format!("GRANT SELECT, INSERT, DELETE ON outbox.journal TO {role};"),
+    ]
+    .map(|g| schema.rewrite(&g).into_owned())
+}
+
+/// Checks what `run`'s journal and retention task will write, before streaming starts.
+///
+/// With `journal` on, `outbox.journal` must exist and the role must have `INSERT` on it:
+/// otherwise an error, since the audit record asked for would stay empty. A retention that
+/// is on (`idempotency_retention`, `journal_retention`) for a table that exists but that the
+/// role cannot `SELECT` and `DELETE` is returned as a warning (the keys or rows are kept
+/// until it can; streaming never depends on it). A missing table is no warning for
+/// retention: there is nothing to trim.
+///
+/// Returns the warnings, each naming the role, the table, what is missing and the `GRANT`
+/// (of [`background_grants`]) or the setting that turns the retention off.
+///
+/// # Errors
+/// [`Error::Precondition`] for the journal (missing table: run `setup`; missing `INSERT`:
+/// the `GRANT`); [`Error::Sql`].
+pub async fn check_background_privileges(
+    client: &Client,
+    schema: &SchemaName,
+    slot: &str,
+    journal: bool,
+    idempotency_retention: bool,
+    journal_retention: bool,
+) -> Result<Vec<String>, Error> {
+    // Only oids, as in check_dead_letter_privileges: the check needs no privilege itself.
+    let row = client
+        .query_one(
+            "SELECT current_user::text,
+                    i.oid IS NOT NULL,
+                    CASE WHEN i.oid IS NOT NULL THEN has_table_privilege(i.oid, 'SELECT') AND has_table_privilege(i.oid, 'DELETE') END,
+                    j.oid IS NOT NULL,
+                    CASE WHEN j.oid IS NOT NULL THEN has_table_privilege(j.oid, 'INSERT') END,
+                    CASE WHEN j.oid IS NOT NULL THEN has_table_privilege(j.oid, 'SELECT') AND has_table_privilege(j.oid, 'DELETE') END
+             FROM (SELECT 1) AS one
+             LEFT JOIN pg_namespace n ON n.nspname = $1
+             LEFT JOIN pg_class i ON i.relnamespace = n.oid AND i.relname = 'idempotency'
+             LEFT JOIN pg_class j ON j.relnamespace = n.oid AND j.relname = 'journal'",
+            &[&schema.as_str()],
+        )
+        .await
+        .map_err(|e| {
+            Error::sql(
+                schema.rewrite("checking the privileges on outbox.journal and outbox.idempotency"),
+                e,
+            )
+        })?;
+    let role: String = row.get(0);
+    let [idempotency_grant, journal_grant] = background_grants(schema, &role);
+    if journal {
+        if !row.get::<_, bool>(3) {
+            return Err(Error::Precondition(schema.rewrite(&format!(
+                "--journal is on but table outbox.journal does not exist in this database; run `pgoutbox setup --slot {slot}{}` (as the database owner) first, or run without --journal",
+                schema_flag(schema)
+            )).into_owned()));
+        }
+        if row.get::<_, Option<bool>>(4) != Some(true) {
+            return Err(Error::Precondition(format!(
+                "--journal is on but role {role:?} cannot insert into {schema}.journal (missing INSERT); as the owner of schema {schema} or a superuser, run: {journal_grant} (sql/roles.example.sql grants the same), or run without --journal"
+            )));
+        }
+    }
+    let mut warnings = Vec::new();
+    if idempotency_retention && row.get::<_, bool>(1) && row.get::<_, Option<bool>>(2) != Some(true)
+    {
+        warnings.push(format!(
+            "role {role:?} cannot delete expired idempotency keys from {schema}.idempotency (missing SELECT or DELETE), so they are kept and the table grows; run: {idempotency_grant} (sql/roles.example.sql grants the same), or set --idempotency-retention 0 to stop trying"
+        ));
+    }
+    if journal_retention && row.get::<_, bool>(3) && row.get::<_, Option<bool>>(5) != Some(true) {
+        warnings.push(format!(
+            "role {role:?} cannot delete expired journal rows from {schema}.journal (missing SELECT or DELETE), so they are kept and the table grows; run: {journal_grant} (sql/roles.example.sql grants the same), or set --journal-retention 0 to stop trying"
+        ));
+    }
+    Ok(warnings)
+}
+
 /// Counts outbox messages the slot still holds, without consuming them
 /// (`pg_logical_slot_peek_binary_changes`, pgoutput `M` frames with our prefix).
 ///

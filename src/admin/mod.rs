@@ -32,8 +32,9 @@ pub use dead_letters::{
     NewDeadLetter, RequeueRefusal, Selection,
 };
 pub use inspection::{
-    check_dead_letter_privileges, confirmed_flush_lsn, count_waiting, dead_letter_grants, health,
-    peek_waiting, pending_outbox_messages, preflight, slot_retention, slot_status, HealthReport,
+    background_grants, check_background_privileges, check_dead_letter_privileges,
+    confirmed_flush_lsn, count_waiting, dead_letter_grants, health, peek_waiting,
+    pending_outbox_messages, preflight, schema_flag, slot_retention, slot_status, HealthReport,
     LagThresholds, Payloads, PeekReport, Problem, Severity, SlotRetention, SlotStatus,
     WaitingCount, WaitingEnvelope, WaitingMessage,
 };

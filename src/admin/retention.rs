@@ -39,6 +39,11 @@ impl Purgeable {
         }
     }
 
+    /// [`Purgeable::describe`] naming the tables of the outbox in `schema` (`--schema`).
+    pub fn describe_in(self, schema: &SchemaName) -> String {
+        self.in_schema(schema, self.describe()).into_owned()
+    }
+
     /// A short label (metrics, log fields).
     pub fn label(self) -> &'static str {
         match self {
@@ -142,7 +147,7 @@ pub async fn purge(
     let Some(age) = retention.age() else {
         return Ok(Purged::Off);
     };
-    let context = || format!("deleting expired {}", table.describe());
+    let context = || format!("deleting expired {}", table.describe_in(schema));
     let installed: bool = client
         .query_one(&*table.in_schema(schema, table.probe()), &[])
         .await

@@ -451,6 +451,18 @@ async fn connect(
 ) -> Result<Connected, Error> {
     let sql = admin::connect(pg).await?;
     admin::preflight(&sql, &config.schema, &config.slot, &config.publication).await?;
+    for warning in admin::check_background_privileges(
+        &sql,
+        &config.schema,
+        &config.slot,
+        config.journal == crate::config::JournalMode::On,
+        config.retention.idempotency.age().is_some(),
+        config.retention.journal.age().is_some(),
+    )
+    .await?
+    {
+        tracing::warn!("{warning}");
+    }
     stream_state::ensure_table(&sql, &config.schema).await?;
     let prefix = admin::resolve_prefix(&sql, &config.schema, config.prefix.as_ref()).await?;
     let application_name = format!("pgoutbox-{}", config.instance_id);

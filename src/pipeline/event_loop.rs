@@ -664,7 +664,7 @@ impl Core {
             schema = %self.config.schema,
             "message dead-lettered to {}.dead_letter (inspect with `pgoutbox dead-letters list{}`)",
             self.config.schema,
-            schema_flag(&self.config.schema)
+            crate::admin::schema_flag(&self.config.schema)
         );
         self.summary.dead_lettered += 1;
         self.telemetry.dead_lettered(job.reason);
@@ -923,15 +923,6 @@ fn broker_limit_from_close(error: &str) -> Option<BrokerLimit> {
         max_bytes,
         source: format!("learned from RabbitMQ's channel close: {}", error.trim()),
     })
-}
-
-/// ` --schema S` for a hint naming a command, empty for the default schema.
-fn schema_flag(schema: &crate::outbox_schema::SchemaName) -> String {
-    if schema.is_default() {
-        String::new()
-    } else {
-        format!(" --schema {schema}")
-    }
 }
 
 #[cfg(test)]

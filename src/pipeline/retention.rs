@@ -111,7 +111,7 @@ async fn retention_task(
                     missing_noted[i] = false;
                     telemetry.retention_deleted(table.label(), rows);
                     if rows > 0 {
-                        tracing::info!(table = table.label(), rows, batches, retention = %retention, "deleted expired {}", table.describe());
+                        tracing::info!(table = table.label(), rows, batches, retention = %retention, "deleted expired {}", table.describe_in(&schema));
                     }
                 }
                 Ok(Purged::Missing) => {
@@ -119,7 +119,7 @@ async fn retention_task(
                         tracing::info!(
                             table = table.label(),
                             "retention skips {}: {}",
-                            table.describe(),
+                            table.describe_in(&schema),
                             table.missing_note()
                         );
                     }

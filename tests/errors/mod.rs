@@ -112,18 +112,24 @@ async fn replication_handshake_honours_connect_timeout() {
 }
 
 /// Lines of `sql/roles.example.sql` that grant on outbox objects to the streamer role,
-/// with the role renamed.
-fn example_streamer_grants(role: &str) -> String {
+/// with the role renamed; with `background` false only those on the schema, the dead
+/// letters and the stream state (not those of the journal and the retention task).
+fn example_streamer_grants(role: &str, background: bool) -> String {
     include_str!("../../sql/roles.example.sql")
         .lines()
         .filter(|l| l.starts_with("GRANT") && l.contains(" outbox") && l.ends_with("TO pgoutbox;"))
+        .filter(|l| {
+            background || !(l.contains("outbox.idempotency") || l.contains("outbox.journal"))
+        })
         .map(|l| l.replace("TO pgoutbox;", &format!("TO \"{role}\";")))
         .collect::<Vec<_>>()
         .join("\n")
 }
 
-/// A plain `LOGIN REPLICATION` role: `run` refuses up front with the complete GRANTs; after
-/// the roles example's grants it streams and writes a dead letter.
+/// A plain `LOGIN REPLICATION` role: `run` refuses up front with the complete GRANTs; with
+/// those it streams and writes a dead letter, but warns that retention cannot delete and
+/// refuses `--journal`, each with its GRANT; with all of the roles example's grants there
+/// is no warning.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
     let pg = Postgres::shared();
@@ -154,7 +160,7 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
         "a missing privilege is not retried: {log}"
     );
 
-    let grants = example_streamer_grants(&role);
+    let grants = example_streamer_grants(&role, false);
     assert_eq!(grants.lines().count(), 4, "{grants}");
     ob.sql(&grants);
     let run = ob.run_with_url(&role_url, &["--exchange", &exchange]);
@@ -166,6 +172,45 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
     .await;
     assert!(written, "no dead letter written: {}", run.log());
     assert!(run.try_status().is_none(), "{}", run.log());
+    // Retention (on by default) cannot delete: said once at start, with the GRANT.
+    let log = run.log();
+    let idempotency_grant = format!("GRANT SELECT, DELETE ON outbox.idempotency TO \"{role}\";");
+    let journal_grant = format!("GRANT SELECT, INSERT, DELETE ON outbox.journal TO \"{role}\";");
+    assert!(
+        log.contains("cannot delete expired idempotency keys from outbox.idempotency")
+            && log.contains(&idempotency_grant)
+            && log.contains("cannot delete expired journal rows from outbox.journal")
+            && log.contains(&journal_grant),
+        "{log}"
+    );
+    run.sigterm();
+    assert!(run
+        .wait_exit(scaled(Duration::from_secs(20)))
+        .await
+        .is_some());
+    // --journal without INSERT on outbox.journal: refused up front, with the GRANT.
+    let run = ob.run_with_url(&role_url, &["--exchange", &exchange, "--journal"]);
+    let exit = run.wait_exit(scaled(Duration::from_secs(30))).await;
+    let log = run.log();
+    assert!(exit.is_some_and(|e| !e.success()), "{log}");
+    assert!(
+        log.contains("--journal is on but role") && log.contains(&journal_grant),
+        "{log}"
+    );
+    // With every grant of the example: --journal runs, and no warning.
+    let all = example_streamer_grants(&role, true);
+    assert_eq!(all.lines().count(), 6, "{all}");
+    ob.sql(&all);
+    let run = ob.run_with_url(&role_url, &["--exchange", &exchange, "--journal"]);
+    assert!(
+        run.wait_for_log("streaming", scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        run.log()
+    );
+    let log = run.log();
+    assert!(!log.contains("cannot delete expired"), "{log}");
+    assert!(!log.contains("retention pass failed"), "{log}");
 }
 
 /// Wrong broker credentials (403 ACCESS_REFUSED) and a missing vhost (530 NOT_ALLOWED) are

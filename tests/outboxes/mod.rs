@@ -612,6 +612,15 @@ async fn a_services_journal_and_idempotency_keys_live_in_its_schema() {
         0,
         "nothing in the default outbox's journal"
     );
+    // The retention task's log names the service's table, not outbox's.
+    let log = streamer.log();
+    assert!(
+        log.contains(&format!(
+            "deleted expired idempotency keys (\"{schema}\".idempotency)"
+        )),
+        "{log}"
+    );
+    assert!(!log.contains("outbox.idempotency"), "{log}");
     let out = svc.cli(&["journal", "jr-1"]);
     assert!(
         out.status.success() && stdout(&out).contains("id=jr-1"),
