@@ -169,6 +169,49 @@ impl Metadata {
         *self == Metadata::default()
     }
 
+    /// The fields that are set, as a JSON object under the envelope's own keys
+    /// (`correlation_id`, ..., `expiration_ms`, `priority`, ...; integers as JSON numbers;
+    /// serde_json's map keeps its keys sorted). Empty when none is set. For display
+    /// (`pgoutbox peek`).
+    #[must_use]
+    pub fn to_json(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        let text = [
+            ("correlation_id", &self.correlation_id),
+            ("causation_id", &self.causation_id),
+            ("aggregate_type", &self.aggregate_type),
+            ("aggregate_id", &self.aggregate_id),
+        ];
+        for (k, v) in text {
+            if let Some(v) = v {
+                m.insert(k.into(), Value::from(v.as_str()));
+            }
+        }
+        if let Some(v) = self.aggregate_version {
+            m.insert("aggregate_version".into(), Value::from(v));
+        }
+        if let Some(v) = &self.tenant {
+            m.insert("tenant".into(), Value::from(v.as_str()));
+        }
+        if let Some(v) = self.expiration_ms {
+            m.insert("expiration_ms".into(), Value::from(v));
+        }
+        if let Some(v) = self.priority {
+            m.insert("priority".into(), Value::from(v));
+        }
+        let text = [
+            ("traceparent", &self.traceparent),
+            ("tracestate", &self.tracestate),
+            ("idempotency_key", &self.idempotency_key),
+        ];
+        for (k, v) in text {
+            if let Some(v) = v {
+                m.insert(k.into(), Value::from(v.as_str()));
+            }
+        }
+        m
+    }
+
     /// Checks the rules `outbox.emit` enforces on the metadata arguments.
     ///
     /// # Errors
@@ -959,6 +1002,36 @@ mod tests {
             tracestate: Some("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE".into()),
             idempotency_key: Some("create-42".into()),
         }
+    }
+
+    #[test]
+    fn metadata_as_json_has_only_the_fields_set_under_the_envelope_keys() {
+        assert!(Metadata::default().to_json().is_empty());
+        let json = Value::Object(full_meta().to_json());
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "correlation_id": "corr-1",
+                "causation_id": "cause-0",
+                "aggregate_type": "order",
+                "aggregate_id": "42",
+                "aggregate_version": 7,
+                "tenant": "acme",
+                "expiration_ms": 60000,
+                "priority": 5,
+                "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                "tracestate": "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE",
+                "idempotency_key": "create-42"
+            })
+        );
+        let only = Metadata {
+            priority: Some(0),
+            ..Metadata::default()
+        };
+        assert_eq!(
+            Value::Object(only.to_json()),
+            serde_json::json!({"priority": 0})
+        );
     }
 
     fn v3_sample() -> Envelope {

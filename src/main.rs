@@ -681,8 +681,19 @@ async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
     }
     for m in &report.messages {
         let e = &m.envelope;
+        // Exchange and metadata only when the producer gave them.
+        let mut extra = String::new();
+        if let Some(x) = &e.exchange {
+            extra.push_str(&format!("  exchange={x}"));
+        }
+        if let Some(meta) = e.metadata.as_ref().filter(|m| !m.is_empty()) {
+            extra.push_str(&format!(
+                "  metadata={}",
+                serde_json::Value::Object(meta.clone())
+            ));
+        }
         println!(
-            "lsn={}  commit_lsn={}  commit_time={}  size={}  topic={}  id={}  headers={}{}",
+            "lsn={}  commit_lsn={}  commit_time={}  size={}  topic={}  id={}  headers={}{extra}{}",
             m.lsn,
             m.commit_lsn.as_deref().unwrap_or("-"),
             m.commit_time.as_deref().unwrap_or("-"),

@@ -594,6 +594,8 @@ pub struct WaitingMessage {
 /// The envelope part of a [`WaitingMessage`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WaitingEnvelope {
+    /// The envelope format version (1 to 3, docs/envelope.md).
+    pub envelope_version: Option<u8>,
     /// The message id.
     pub message_id: Option<String>,
     /// The topic (routing key).
@@ -602,6 +604,14 @@ pub struct WaitingEnvelope {
     pub content_type: Option<String>,
     /// Producer headers.
     pub headers: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The exchange the producer named (`emit(..., exchange => ...)`); none: the streamer's
+    /// `--exchange`.
+    pub exchange: Option<String>,
+    /// The event metadata given (envelope version 3: `correlation_id`, `tenant`,
+    /// `expiration_ms`, ...), only the keys set; empty when none ([`crate::envelope::Metadata::to_json`]).
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Who emitted it (`session_user`, envelope version 2 and later).
+    pub emitted_by: Option<String>,
     /// Payload size in bytes.
     pub payload_bytes: Option<usize>,
     /// The payload as UTF-8 text (lossy), only when asked for.
@@ -792,20 +802,28 @@ fn held_by(status: &SlotStatus) -> Error {
 fn describe_envelope(content: bytes::Bytes, payloads: Payloads) -> WaitingEnvelope {
     match crate::envelope::decode(content) {
         Ok(env) => WaitingEnvelope {
+            envelope_version: Some(env.version),
             message_id: Some(env.message_id),
             topic: Some(env.topic),
             content_type: Some(env.content_type),
             headers: Some(env.headers),
+            exchange: env.exchange,
+            metadata: Some(env.meta.to_json()),
+            emitted_by: env.emitted_by,
             payload_bytes: Some(env.payload.len()),
             payload: (payloads == Payloads::Include)
                 .then(|| String::from_utf8_lossy(&env.payload).into_owned()),
             decode_error: None,
         },
         Err(e) => WaitingEnvelope {
+            envelope_version: None,
             message_id: None,
             topic: None,
             content_type: None,
             headers: None,
+            exchange: None,
+            metadata: None,
+            emitted_by: None,
             payload_bytes: None,
             payload: None,
             decode_error: Some(e.to_string()),

@@ -347,7 +347,8 @@ async fn peek_lists_waiting_messages_without_consuming_them() {
     assert_eq!(json["messages"], serde_json::json!([]), "{json}");
     ob.sql("BEGIN; SELECT outbox.emit('pk.one', '{\"n\": 1}', '{\"h\": \"x\"}', 'p1'); SELECT outbox.emit('pk.two', '{\"n\": 2}', '{}', 'p2'); COMMIT;");
     ob.sql("SELECT pg_logical_emit_message(true, 'not-ours', 'skip me')");
-    ob.sql("SELECT outbox.emit('pk.three', '{\"n\": 3}', '{}', 'p3')");
+    // p3 names the outbox's own exchange explicitly, so it still reaches the queue below.
+    ob.sql(&format!("SELECT outbox.emit('pk.three', '{{\"n\": 3}}', '{{}}', 'p3', exchange => '{}', tenant => 'acme', aggregate_id => 'order-7', aggregate_version => 3, priority => 5, expiration => 60000)", ob.exchange));
     flush_wal(&ob);
     let (code, json, err) = peek(&ob, &[]);
     assert_eq!(code, Some(0), "{err}");
@@ -370,6 +371,16 @@ async fn peek_lists_waiting_messages_without_consuming_them() {
     );
     assert!(msgs[0]["size_bytes"].as_u64().unwrap() > 8, "{json}");
     assert_eq!(msgs[0]["payload_bytes"], 8, "{json}");
+    // The v3 fields: only what the producer gave, under the envelope's own keys.
+    assert_eq!(msgs[0]["envelope_version"], 3, "{json}");
+    assert_eq!(msgs[0]["exchange"], serde_json::Value::Null, "{json}");
+    assert_eq!(msgs[0]["metadata"], serde_json::json!({}), "{json}");
+    assert_eq!(msgs[2]["exchange"], ob.exchange.as_str(), "{json}");
+    assert_eq!(
+        msgs[2]["metadata"],
+        serde_json::json!({"aggregate_id": "order-7", "aggregate_version": 3, "tenant": "acme", "expiration_ms": 60000, "priority": 5}),
+        "{json}"
+    );
     for m in &msgs {
         assert!(
             m.get("payload").is_none(),
@@ -398,6 +409,17 @@ async fn peek_lists_waiting_messages_without_consuming_them() {
         "{text}"
     );
     assert!(text.contains("more waiting beyond --limit 1"), "{text}");
+    assert!(
+        !text.contains("exchange=") && !text.contains("metadata="),
+        "{text}"
+    );
+    let out = cmd(&ob, &["peek", "--publication", &ob.publication]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let third = text.lines().find(|l| l.contains("id=p3")).unwrap_or("");
+    assert!(
+        third.contains(&format!("  exchange={}  metadata={{\"aggregate_id\":\"order-7\",\"aggregate_version\":3,\"expiration_ms\":60000,\"priority\":5,\"tenant\":\"acme\"}}", ob.exchange)),
+        "{text}"
+    );
     // Nothing was consumed: the streamer delivers all three, with the LSNs peek showed.
     let streamer = ob.run(&["--instance-id", "peek-holder"]);
     let got = ob.drain(3, scaled(Duration::from_secs(20))).await;
