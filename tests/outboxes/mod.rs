@@ -629,3 +629,69 @@ async fn a_services_journal_and_idempotency_keys_live_in_its_schema() {
         stderr(&out)
     );
 }
+
+/// `dead-letters requeue --schema S` re-emits under the service's own prefix, so the
+/// service's streamer (the only one running) publishes it again; with the default prefix
+/// it would wait in no stream that is read and never arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_dead_letter_is_requeued_into_its_own_stream() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "ob_requeue").await;
+    let svc = Service::new(&ob, "rq").await;
+    let schema = &svc.schema;
+    // An exchange nobody is bound to yet: the message is returned and dead-lettered.
+    let nowhere = unique("rq_nowhere");
+    let nowhere_q = unique("rq_nowhere_q");
+    let streamer = svc.run();
+    assert!(
+        streamer
+            .wait_for_log("streaming", scaled(Duration::from_secs(20)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    ob.sql(&format!(
+        "SELECT \"{schema}\".emit('t.rq', '{{\"n\": 1}}', message_id => 'rq-1', exchange => '{nowhere}')"
+    ));
+    let deadline = std::time::Instant::now() + scaled(Duration::from_secs(20));
+    while dead_letters(&ob, schema) != ["returned|rq-1"] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not dead-lettered: {:?}\n{}",
+            dead_letters(&ob, schema),
+            streamer.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(dead_letters(&ob, "outbox"), Vec::<String>::new());
+
+    // Bind a queue, then requeue through the service's schema.
+    declare_bound_queue(&ob.amqp_url, &nowhere, &nowhere_q, "#").await;
+    let out = svc.cli(&["dead-letters", "requeue", "--all"]);
+    assert!(
+        out.status.success() && stdout(&out).contains("requeued 1 dead letters"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let got = drain_queue(&ob.amqp_url, &nowhere_q, 1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(sorted_ids(&got), ["rq-1"], "{}", streamer.log());
+    assert_eq!(got[0].body, b"{\"n\": 1}".to_vec());
+    assert_eq!(got[0].exchange, nowhere);
+    assert_eq!(
+        ob.sql(&format!(
+            "SELECT count(*) FROM \"{schema}\".dead_letter WHERE requeued_at IS NOT NULL"
+        ))
+        .trim(),
+        "1"
+    );
+    // Requeued once: a second requeue finds nothing left to requeue.
+    let out = svc.cli(&["dead-letters", "requeue", "--all"]);
+    assert!(
+        stdout(&out).contains("requeued 0 dead letters"),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+}
