@@ -22,8 +22,14 @@ CREATE TABLE IF NOT EXISTS outbox.journal (
     -- When the broker's confirm arrived (the streamer's clock).
     confirmed_at timestamptz NOT NULL,
     -- The slot of the streamer that published it.
-    slot_name    text NOT NULL
+    slot_name    text NOT NULL,
+    -- The exchange it was published to (the producer's `exchange`, or the streamer's
+    -- --exchange). NULL in rows written before the column existed. Last, so that a table
+    -- upgraded by the ALTER below has the same column order.
+    exchange     text
 );
+-- Added after the first release of the table: `setup` run again adds it.
+ALTER TABLE outbox.journal ADD COLUMN IF NOT EXISTS exchange text;
 CREATE INDEX IF NOT EXISTS journal_message_id ON outbox.journal (message_id);
 CREATE INDEX IF NOT EXISTS journal_confirmed_at ON outbox.journal (confirmed_at);
 

@@ -477,8 +477,15 @@ async fn journal(args: pgoutbox::cli::JournalArgs) -> Result<u8, Error> {
     } else {
         for r in &rows {
             println!(
-                "{}  id={}  topic={}  lsn={}  commit_lsn={}  attempts={}  slot={}",
-                r.confirmed_at, r.message_id, r.topic, r.lsn, r.commit_lsn, r.attempts, r.slot_name
+                "{}  id={}  topic={}  exchange={}  lsn={}  commit_lsn={}  attempts={}  slot={}",
+                r.confirmed_at,
+                r.message_id,
+                r.topic,
+                r.exchange.as_deref().unwrap_or("-"),
+                r.lsn,
+                r.commit_lsn,
+                r.attempts,
+                r.slot_name
             );
         }
     }

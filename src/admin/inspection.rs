@@ -319,8 +319,9 @@ pub fn background_grants(schema: &SchemaName, role: &str) -> [String; 2] {
 
 /// Checks what `run`'s journal and retention task will write, before streaming starts.
 ///
-/// With `journal` on, `outbox.journal` must exist and the role must have `INSERT` on it:
-/// otherwise an error, since the audit record asked for would stay empty. A retention that
+/// With `journal` on, `outbox.journal` must exist with its `exchange` column and the role
+/// must have `INSERT` on it: otherwise an error, since the audit record asked for would stay
+/// empty. A retention that
 /// is on (`idempotency_retention`, `journal_retention`) for a table that exists but that the
 /// role cannot `SELECT` and `DELETE` is returned as a warning (the keys or rows are kept
 /// until it can; streaming never depends on it). A missing table is no warning for
@@ -330,8 +331,8 @@ pub fn background_grants(schema: &SchemaName, role: &str) -> [String; 2] {
 /// (of [`background_grants`]) or the setting that turns the retention off.
 ///
 /// # Errors
-/// [`Error::Precondition`] for the journal (missing table: run `setup`; missing `INSERT`:
-/// the `GRANT`); [`Error::Sql`].
+/// [`Error::Precondition`] for the journal (missing table or column: run `setup`; missing
+/// `INSERT`: the `GRANT`); [`Error::Sql`].
 pub async fn check_background_privileges(
     client: &Client,
     schema: &SchemaName,
@@ -348,7 +349,8 @@ pub async fn check_background_privileges(
                     CASE WHEN i.oid IS NOT NULL THEN has_table_privilege(i.oid, 'SELECT') AND has_table_privilege(i.oid, 'DELETE') END,
                     j.oid IS NOT NULL,
                     CASE WHEN j.oid IS NOT NULL THEN has_table_privilege(j.oid, 'INSERT') END,
-                    CASE WHEN j.oid IS NOT NULL THEN has_table_privilege(j.oid, 'SELECT') AND has_table_privilege(j.oid, 'DELETE') END
+                    CASE WHEN j.oid IS NOT NULL THEN has_table_privilege(j.oid, 'SELECT') AND has_table_privilege(j.oid, 'DELETE') END,
+                    EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = j.oid AND a.attname = 'exchange' AND NOT a.attisdropped)
              FROM (SELECT 1) AS one
              LEFT JOIN pg_namespace n ON n.nspname = $1
              LEFT JOIN pg_class i ON i.relnamespace = n.oid AND i.relname = 'idempotency'
@@ -374,6 +376,12 @@ pub async fn check_background_privileges(
         if row.get::<_, Option<bool>>(4) != Some(true) {
             return Err(Error::Precondition(format!(
                 "--journal is on but role {role:?} cannot insert into {schema}.journal (missing INSERT); as the owner of schema {schema} or a superuser, run: {journal_grant} (sql/roles.example.sql grants the same), or run without --journal"
+            )));
+        }
+        if !row.get::<_, bool>(6) {
+            return Err(Error::Precondition(format!(
+                "--journal is on but table {schema}.journal has no exchange column (it was created by an older pgoutbox); run `pgoutbox setup --slot {slot}{}` again (as the database owner; idempotent, it adds the column), or run without --journal",
+                schema_flag(schema)
             )));
         }
     }

@@ -23,6 +23,8 @@ pub struct JournalEntry {
     pub lsn: Lsn,
     /// Its transaction's commit record LSN.
     pub commit_lsn: Lsn,
+    /// The exchange it was published to.
+    pub exchange: String,
     /// Publish attempts of this delivery.
     pub attempts: u32,
     /// When the broker's confirm arrived, µs since the Unix epoch.
@@ -49,12 +51,13 @@ pub async fn write_journal(
         .map(|e| i32::try_from(e.attempts).unwrap_or(i32::MAX))
         .collect();
     let confirmed: Vec<i64> = entries.iter().map(|e| e.confirmed_at_us).collect();
+    let exchanges: Vec<&str> = entries.iter().map(|e| e.exchange.as_str()).collect();
     client
         .execute(
-            &*schema.rewrite("INSERT INTO outbox.journal (message_id, topic, lsn, commit_lsn, attempts, confirmed_at, slot_name)
-             SELECT m, t, l::pg_lsn, c::pg_lsn, a, timestamptz 'epoch' + us * interval '1 microsecond', $7::text
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::bigint[]) AS u(m, t, l, c, a, us)"),
-            &[&ids, &topics, &lsns, &commits, &attempts, &confirmed, &slot],
+            &*schema.rewrite("INSERT INTO outbox.journal (message_id, topic, exchange, lsn, commit_lsn, attempts, confirmed_at, slot_name)
+             SELECT m, t, x, l::pg_lsn, c::pg_lsn, a, timestamptz 'epoch' + us * interval '1 microsecond', $7::text
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::bigint[], $8::text[]) AS u(m, t, l, c, a, us, x)"),
+            &[&ids, &topics, &lsns, &commits, &attempts, &confirmed, &slot, &exchanges],
         )
         .await
         .map_err(|e| Error::sql("writing the delivery journal (outbox.journal)", e))
@@ -67,6 +70,8 @@ pub struct JournalRow {
     pub message_id: String,
     /// The topic.
     pub topic: String,
+    /// The exchange it was published to; none for rows written before the column existed.
+    pub exchange: Option<String>,
     /// The message's LSN (`X/Y`).
     pub lsn: String,
     /// The commit record's LSN (`X/Y`).
@@ -107,7 +112,7 @@ pub async fn journal_entries(
             &*schema.rewrite(
                 "SELECT message_id, topic, lsn::text, commit_lsn::text, attempts,
                     to_char(confirmed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),
-                    slot_name
+                    slot_name, exchange
              FROM outbox.journal WHERE message_id = $1
              ORDER BY confirmed_at, lsn",
             ),
@@ -125,6 +130,7 @@ pub async fn journal_entries(
             attempts: r.get(4),
             confirmed_at: r.get(5),
             slot_name: r.get(6),
+            exchange: r.get(7),
         })
         .collect())
 }

@@ -242,6 +242,7 @@ pub async fn run(
         &pg,
         &config.schema,
         &config.slot,
+        &config.exchange,
         crate::config::MAX_STATUS_INTERVAL,
         &telemetry,
     );

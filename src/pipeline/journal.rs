@@ -64,6 +64,8 @@ struct Shared {
     /// The current session's status-update interval.
     interval: watch::Sender<Duration>,
     telemetry: Arc<Telemetry>,
+    /// `--exchange`: where a message that names no exchange goes.
+    default_exchange: String,
     /// Last warning about a full buffer.
     warned_at: std::sync::Mutex<Option<Instant>>,
 }
@@ -85,6 +87,7 @@ impl JournalWriter {
         pg: &DatabaseConfig,
         schema: &crate::outbox_schema::SchemaName,
         slot: &str,
+        default_exchange: &str,
         interval: Duration,
         telemetry: &Arc<Telemetry>,
     ) -> JournalWriter {
@@ -102,6 +105,7 @@ impl JournalWriter {
             early: Notify::new(),
             interval: interval_tx,
             telemetry: Arc::clone(telemetry),
+            default_exchange: default_exchange.to_owned(),
             warned_at: std::sync::Mutex::new(None),
         });
         let (stop, stopped) = tokio::sync::oneshot::channel();
@@ -169,13 +173,18 @@ impl JournalHandle {
         // The envelope was decoded when it was published; the journal decodes it again
         // rather than keep its id and topic for every message in flight (the cost is
         // measured in the benchmark, and paid only with --journal).
-        let (message_id, topic) = match envelope::decode(m.content.clone()) {
-            Ok(env) => (env.message_id, env.topic),
+        let (message_id, topic, exchange) = match envelope::decode(m.content.clone()) {
+            Ok(env) => (
+                env.message_id,
+                env.topic,
+                env.exchange.unwrap_or_else(|| s.default_exchange.clone()),
+            ),
             Err(_) => return,
         };
         let entry = JournalEntry {
             message_id,
             topic,
+            exchange,
             lsn: m.lsn,
             commit_lsn: m.commit_lsn,
             attempts: m.attempts,

@@ -121,7 +121,7 @@ async fn journal_holds_one_row_per_confirmed_message_and_prints_them() {
 
     assert_eq!(count(&ob, "SELECT count(*) FROM outbox.journal"), 50);
     let rows: BTreeMap<String, Vec<String>> = ob
-        .sql("SELECT message_id, topic, lsn::text, commit_lsn::text, attempts, floor(extract(epoch FROM confirmed_at) * 1000000)::bigint, slot_name FROM outbox.journal")
+        .sql("SELECT message_id, topic, lsn::text, commit_lsn::text, attempts, floor(extract(epoch FROM confirmed_at) * 1000000)::bigint, slot_name, exchange FROM outbox.journal")
         .lines()
         .filter(|l| !l.is_empty())
         .map(|l| {
@@ -153,6 +153,8 @@ async fn journal_holds_one_row_per_confirmed_message_and_prints_them() {
             "confirm time of {id}: {before} <= {confirmed} <= {after}, commit {commit}"
         );
         assert_eq!(row[6], ob.slot, "slot of {id}");
+        assert_eq!(row[7], m.exchange, "exchange of {id}");
+        assert_eq!(row[7], ob.exchange, "exchange of {id}");
     }
     // Batched: a few statements for 50 messages (the interval and the final write).
     let writes = streamer.log_count("journal rows written");
@@ -176,6 +178,7 @@ async fn journal_holds_one_row_per_confirmed_message_and_prints_them() {
         format!("lsn={}", m.headers["x-pgoutbox-lsn"]),
         format!("commit_lsn={}", m.headers["x-pgoutbox-commit-lsn"]),
         "attempts=1".to_owned(),
+        format!("exchange={}", ob.exchange),
         format!("slot={}", ob.slot),
     ] {
         assert!(lines[0].contains(&part), "{part} in {printed}");
@@ -193,6 +196,9 @@ async fn journal_holds_one_row_per_confirmed_message_and_prints_them() {
     assert_eq!(entries[0]["attempts"], 1);
     assert_eq!(entries[1]["attempts"], 3);
     assert_eq!(entries[1]["topic"], "journal.t2");
+    assert_eq!(entries[0]["exchange"], ob.exchange.as_str());
+    // The copied row, like one written before the column existed, has none.
+    assert_eq!(entries[1]["exchange"], serde_json::Value::Null);
     // An id never confirmed: exit 1, said on stderr.
     let out = pgoutbox(&["journal", "never-sent", "--database-url", &url]);
     assert_eq!(out.status.code(), Some(1));
@@ -476,5 +482,53 @@ fn bad_retention_settings_are_refused_before_run_starts() {
     assert!(
         err.contains("journal_retention") && err.contains("7d, 12h or 30m"),
         "{err}"
+    );
+}
+
+/// A journal table from before the `exchange` column: `run --journal` refuses with the fix;
+/// `setup` again adds the column; then each row names the exchange its message went to,
+/// the producer's own or `--exchange`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_records_each_messages_exchange_after_setup_upgrades_the_table() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "journal_x").await;
+    ob.sql("ALTER TABLE outbox.journal DROP COLUMN exchange");
+    let streamer = ob.run(&["--journal"]);
+    let exit = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let log = streamer.log();
+    assert!(exit.is_some_and(|e| !e.success()), "{log}");
+    assert!(
+        log.contains("has no exchange column") && log.contains("pgoutbox setup --slot"),
+        "{log}"
+    );
+
+    let url = ob.url();
+    let out = pgoutbox(&[
+        "setup",
+        "--database-url",
+        &url,
+        "--slot",
+        &ob.slot,
+        "--publication",
+        &ob.publication,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let other = support::unique("journal_x_other");
+    let other_q = support::unique("journal_x_other_q");
+    support::declare_bound_queue(&ob.amqp_url, &other, &other_q, "#").await;
+    let streamer = ob.run(&["--journal"]);
+    wait_streaming(&streamer).await;
+    ob.sql(&format!(
+        "SELECT outbox.emit('jx.a', '{{}}', message_id => 'jx-default');
+         SELECT outbox.emit('jx.b', '{{}}', message_id => 'jx-other', exchange => '{other}')"
+    ));
+    assert_eq!(ob.drain(1, scaled(IDLE)).await.len(), 1);
+    let got = support::drain_queue(&ob.amqp_url, &other_q, 1, scaled(IDLE)).await;
+    assert_eq!(got.len(), 1, "{}", streamer.log());
+    stop(&streamer).await;
+    assert_eq!(
+        ob.sql("SELECT string_agg(message_id || '>' || exchange, ' ' ORDER BY message_id) FROM outbox.journal")
+            .trim(),
+        format!("jx-default>{} jx-other>{other}", ob.exchange)
     );
 }
