@@ -89,6 +89,33 @@ pub async fn connect(config: &DatabaseConfig) -> Result<Client, Error> {
     }
 }
 
+/// A session for one of `run`'s background writers (dead letters, retention, journal):
+/// [`connect`], then `synchronous_commit` (`local`, `off`, ...) and `lock_timeout` and
+/// `statement_timeout` (whole milliseconds) for the session, so that a locked table costs
+/// one failed statement instead of a task that hangs. `purpose` names the session in the
+/// error ("dead-letter", "retention", "journal").
+///
+/// # Errors
+/// As [`connect`]; [`Error::Sql`] ("preparing the `purpose` session") when the `SET`s fail.
+pub async fn connect_background(
+    config: &DatabaseConfig,
+    synchronous_commit: &str,
+    lock_timeout: std::time::Duration,
+    statement_timeout: std::time::Duration,
+    purpose: &str,
+) -> Result<Client, Error> {
+    let client = connect(config).await?;
+    client
+        .batch_execute(&format!(
+            "SET synchronous_commit = {synchronous_commit}; SET lock_timeout = {}; SET statement_timeout = {}",
+            lock_timeout.as_millis(),
+            statement_timeout.as_millis()
+        ))
+        .await
+        .map_err(|e| Error::sql(format!("preparing the {purpose} session"), e))?;
+    Ok(client)
+}
+
 async fn connect_as(config: &DatabaseConfig, pg: &tokio_postgres::Config) -> Result<Client, Error> {
     let timeout = crate::config::connect_timeout(pg);
     let mut pg = pg.clone();

@@ -87,15 +87,9 @@ impl DeadLetterWriter {
         pg: &crate::config::DatabaseConfig,
         schema: &crate::outbox_schema::SchemaName,
     ) -> Result<Self, Error> {
-        let client = admin::connect(pg).await?;
-        client
-            .batch_execute(&format!(
-                "SET synchronous_commit = local; SET lock_timeout = {}; SET statement_timeout = {}",
-                LOCK_TIMEOUT.as_millis(),
-                STATEMENT_TIMEOUT.as_millis()
-            ))
-            .await
-            .map_err(|e| Error::sql("preparing the dead-letter session", e))?;
+        let client =
+            admin::connect_background(pg, "local", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "dead-letter")
+                .await?;
         let (jobs, rx) = mpsc::unbounded_channel();
         let (tx, written) = mpsc::unbounded_channel();
         let task = tokio::spawn(write_task(client, schema.clone(), rx, tx));

@@ -218,16 +218,7 @@ impl JournalHandle {
 
 /// Opens the journal's session.
 async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::error::Error> {
-    let client = crate::admin::connect(pg).await?;
-    client
-        .batch_execute(&format!(
-            "SET synchronous_commit = off; SET lock_timeout = {}; SET statement_timeout = {}",
-            LOCK_TIMEOUT.as_millis(),
-            STATEMENT_TIMEOUT.as_millis()
-        ))
-        .await
-        .map_err(|e| crate::error::Error::sql("preparing the journal session", e))?;
-    Ok(client)
+    crate::admin::connect_background(pg, "off", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "journal").await
 }
 
 /// Every interval (or earlier when [`EARLY_WRITE_ROWS`] wait), takes what is buffered and

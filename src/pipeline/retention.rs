@@ -66,16 +66,8 @@ impl RetentionTask {
 }
 
 async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::error::Error> {
-    let client = crate::admin::connect(pg).await?;
-    client
-        .batch_execute(&format!(
-            "SET synchronous_commit = local; SET lock_timeout = {}; SET statement_timeout = {}",
-            LOCK_TIMEOUT.as_millis(),
-            STATEMENT_TIMEOUT.as_millis()
-        ))
+    crate::admin::connect_background(pg, "local", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "retention")
         .await
-        .map_err(|e| crate::error::Error::sql("preparing the retention session", e))?;
-    Ok(client)
 }
 
 async fn retention_task(
