@@ -541,10 +541,9 @@ pub struct RunArgs {
     #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES, value_parser = parse_whole_number::<usize>)]
     pub max_message_bytes: usize,
     /// Microseconds between two small reads of the replication stream while 4 or more
-    /// publishes are unconfirmed: under a steady stream of transactions, one read (and one
-    /// publish batch) per interval instead of one per transaction. At low rates (fewer in
-    /// flight) the next read is immediate. Adds at most this much latency; 0 reads every transaction
-    /// at once (0 to 100000).
+    /// publishes are unconfirmed: one read (and one publish batch) per interval instead of
+    /// one per transaction. Adds up to this much latency to trade it for fewer wake-ups; the
+    /// default 0 reads every transaction as it arrives (0 to 100000).
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,
     /// The broker's max_message_size in bytes, if known: payloads larger than this are
@@ -909,23 +908,25 @@ mod tests {
         );
     }
 
+    /// The `RunConfig` of `pgoutbox run` with a database and broker URL and `extra`.
+    fn run(extra: &[&str]) -> RunConfig {
+        let mut args = vec![
+            "pgoutbox",
+            "run",
+            "--database-url",
+            "postgres://u@h/db",
+            "--amqp-url",
+            "amqp://h",
+        ];
+        args.extend(extra);
+        match Cli::try_parse_from(args).unwrap().command {
+            Command::Run(args) => args.into_config().unwrap(),
+            _ => unreachable!(),
+        }
+    }
+
     #[test]
     fn metrics_are_served_on_loopback_by_default_and_can_be_turned_off() {
-        let run = |extra: &[&str]| {
-            let mut args = vec![
-                "pgoutbox",
-                "run",
-                "--database-url",
-                "postgres://u@h/db",
-                "--amqp-url",
-                "amqp://h",
-            ];
-            args.extend(extra);
-            match Cli::try_parse_from(args).unwrap().command {
-                Command::Run(args) => args.into_config().unwrap(),
-                _ => unreachable!(),
-            }
-        };
         assert_eq!(
             run(&[]).http_addr.map(|a| a.to_string()).as_deref(),
             Some(DEFAULT_HTTP_ADDR)
@@ -942,6 +943,15 @@ mod tests {
             "nonsense"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn reads_are_not_delayed_unless_a_coalescing_delay_is_asked_for() {
+        assert_eq!(run(&[]).read_coalesce, Duration::ZERO);
+        assert_eq!(
+            run(&["--read-coalesce-us", "1000"]).read_coalesce,
+            Duration::from_millis(1)
+        );
     }
 
     #[test]

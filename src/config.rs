@@ -43,8 +43,13 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// default; 16 MiB keeps one message within the default byte window).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
-/// Default `--read-coalesce-us`: 1 ms between small reads of the replication socket.
-pub const DEFAULT_READ_COALESCE: Duration = Duration::from_millis(1);
+/// Default `--read-coalesce-us`: 0, no delay between small reads of the replication socket.
+///
+/// The loop batches by itself: whatever arrived while a turn ran is read in one piece, and a
+/// publish no longer wakes another thread. Measured side by side (bench scenario 4, 2,000 and
+/// 4,000 msg/s, 2026-12-02), a 1 ms delay saved no CPU per message and added about 0.4 ms to
+/// the median, so it is off unless asked for.
+pub const DEFAULT_READ_COALESCE: Duration = Duration::ZERO;
 
 /// Largest accepted `--read-coalesce-us`: 100 ms.
 pub const MAX_READ_COALESCE: Duration = Duration::from_millis(100);

@@ -36,8 +36,9 @@ use crate::watermark::AckWatermark;
 
 /// Frames handled per loop turn before confirms and timers get another look.
 const FRAME_BATCH: usize = 2048;
-/// A read of fewer bytes than this, while at least [`COALESCE_MIN_UNCONFIRMED`] publishes
-/// are unconfirmed, delays the next one by `RunConfig::read_coalesce`.
+/// With `--read-coalesce-us` above 0 (off by default), a read of fewer bytes than this,
+/// while at least [`COALESCE_MIN_UNCONFIRMED`] publishes are unconfirmed, delays the next one
+/// by `RunConfig::read_coalesce`.
 const COALESCE_BELOW_BYTES: usize = 64 * 1024;
 /// Unconfirmed publishes from which small reads are coalesced. What is unconfirmed is about
 /// the rate times the broker's confirm latency (~1 ms): at low rates fewer than this are in
@@ -312,14 +313,15 @@ impl Core {
                     match read {
                         Ok(n) => {
                             buffered = true;
-                            // A small read while several publishes are unconfirmed means a
-                            // steady stream: take the next read a little later, in one piece
-                            // (the confirms take about that long anyway). With few in flight
-                            // (a low rate) the next message is read and published at once.
-                            // Large reads (a backlog, big messages) are never delayed: a
-                            // delay per read would cap the stream at about one socket
-                            // buffer per interval.
-                            if n < COALESCE_BELOW_BYTES
+                            // Opt-in (`--read-coalesce-us`, default 0): a small read while
+                            // several publishes are unconfirmed means a steady stream, so the
+                            // next read is taken a little later, in one piece. With few in
+                            // flight (a low rate) the next message is read and published at
+                            // once. Large reads (a backlog, big messages) are never delayed: a
+                            // delay per read would cap the stream at about one socket buffer
+                            // per interval.
+                            if !self.config.read_coalesce.is_zero()
+                                && n < COALESCE_BELOW_BYTES
                                 && self.wm.unconfirmed() >= COALESCE_MIN_UNCONFIRMED as u64
                             {
                                 self.next_read_at = Instant::now() + self.config.read_coalesce;

@@ -192,8 +192,8 @@ async fn producer_headers_keep_their_types() {
 async fn rolled_back_transactions_and_savepoints_emit_nothing() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "e2e_rollback").await;
-    // Read coalescing off: every other test runs with the default (1 ms).
-    let streamer = ob.run(&["--read-coalesce-us", "0"]);
+    // Read coalescing on (1 ms): every other test runs with the default (off).
+    let streamer = ob.run(&["--read-coalesce-us", "1000"]);
     ob.sql(
         "BEGIN;
          SELECT outbox.emit('t', '{\"n\": 1}', '{}', 'a1');
