@@ -122,7 +122,13 @@ rabbit_env() { # DIR -> exports env for the node in DIR (needs DIR/rabbit/ports)
     export RABBITMQ_ADVANCED_CONFIG_FILE="$r/advanced.config"
     export RABBITMQ_CONF_ENV_FILE="$r/rabbitmq-env.conf"
     export RABBITMQ_PID_FILE="$r/pid"
-    export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+    # Scheduler busy-waiting off (+sbwt none ...): RabbitMQ's runtime-tuning advice for a node
+    # that shares its cores with other processes, as this one does with Postgres, the streamer
+    # and the tests. Busy-waiting Erlang schedulers spin on a core after each bit of work; on
+    # 2 cores at 2,000-4,000 msg/s that took ~6 points of the machine's busy share from the rest
+    # of the pipeline (bench scenario 4, 2026-12-02). PGOUTBOX_STACK_RABBIT_ERL_ARGS is appended
+    # (e.g. "+sbwt medium" to compare).
+    export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} +sbwt none +sbwtdcpu none +sbwtdio none ${PGOUTBOX_STACK_RABBIT_ERL_ARGS:-}"
     export RABBITMQ_PLUGINS_EXPAND_DIR="$r/plugins-expand"
 }
 

@@ -18,8 +18,8 @@ use lapin::ExchangeKind;
 use super::rabbit::{NodeOptions, RabbitMq};
 use super::{amqp_connect, cleanup_now, free_port, make_server_dir, scaled, spawn_watchdog};
 
-/// Erlang VM flags of every cluster node.
-const ERL_ARGS: &str = "+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none";
+/// Erlang VM flags of every cluster node (besides busy-waiting off, which every test node has).
+const ERL_ARGS: &str = "+S 1:1";
 /// `rabbitmq.conf` lines of every cluster node.
 const CONF: &str = "raft.wal_max_size_bytes = 33554432\n\
                     cluster_partition_handling = pause_minority\n\

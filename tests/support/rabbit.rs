@@ -223,8 +223,10 @@ impl RabbitMq {
             ("RABBITMQ_PLUGINS_EXPAND_DIR".into(), r("plugins-expand")),
             (
                 "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS".into(),
+                // Scheduler busy-waiting off, as in deploy/stack.sh: the test nodes share
+                // two cores with Postgres, the streamers and each other.
                 format!(
-                    "-kernel inet_dist_use_interface {{127,0,0,1}} {}",
+                    "-kernel inet_dist_use_interface {{127,0,0,1}} +sbwt none +sbwtdcpu none +sbwtdio none {}",
                     self.extra_erl_args
                 ),
             ),
