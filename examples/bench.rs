@@ -88,8 +88,8 @@ const LATENCY_PRODUCERS: usize = 4;
 /// `synchronous_commit` of the steady-state producers (see [`latency_case`]).
 const PRODUCER_SYNC_COMMIT: &str = "on";
 /// Steady-state rates always tried (msg/s), below half the scenario-2 drain rate, which is
-/// the last row; 1,000 is the low-rate row.
-const LATENCY_RATES: [f64; 3] = [1_000.0, 2_000.0, 4_000.0];
+/// the last row; 250 is the low-rate row (every message meets an idle pipeline).
+const LATENCY_RATES: [f64; 4] = [250.0, 1_000.0, 2_000.0, 4_000.0];
 /// The rate of `--quick`'s one steady-state row (msg/s): the low-rate row.
 const QUICK_LATENCY_RATE: f64 = 1_000.0;
 /// The first part of each steady-state run that its latency quantiles leave out (a new
@@ -150,6 +150,8 @@ struct Args {
     /// Scenario 4's producer rates (msg/s) instead of 1,000 / 2,000 / 4,000 / half the
     /// scenario-2 median.
     s4_rates: Option<Vec<f64>>,
+    /// Scenario 4's pgoutbox message shapes (`--s4-shapes`; default full only).
+    s4_shapes: Vec<Shape>,
 }
 
 fn parse_args() -> R<Args> {
@@ -157,6 +159,7 @@ fn parse_args() -> R<Args> {
     let mut runs = None;
     let mut scenarios = vec![1, 2, 3, 4];
     let mut s4_rates = None;
+    let mut s4_shapes = vec![Shape::Full];
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -196,9 +199,22 @@ fn parse_args() -> R<Args> {
                         .collect::<R<Vec<f64>>>()?,
                 );
             }
+            "--s4-shapes" => {
+                let v = it
+                    .next()
+                    .ok_or("--s4-shapes needs full, minimal or full,minimal")?;
+                s4_shapes = v
+                    .split(',')
+                    .map(|s| match s.trim() {
+                        "full" => Ok(Shape::Full),
+                        "minimal" => Ok(Shape::Minimal),
+                        other => Err(format!("--s4-shapes: bad shape {other:?} (full, minimal)")),
+                    })
+                    .collect::<R<Vec<_>>>()?;
+            }
             "-h" | "--help" => {
                 println!(
-                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S[,...]]\n\
+                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S[,...]] [--s4-shapes full,minimal]\n\
                      full: ~15 min on 2 cores; --quick: ~3 min (1 run, small counts, one steady rate)"
                 );
                 std::process::exit(0);
@@ -212,6 +228,7 @@ fn parse_args() -> R<Args> {
         runs,
         scenarios,
         s4_rates,
+        s4_shapes,
     })
 }
 
@@ -2173,6 +2190,7 @@ async fn latency_case(
     let mut tasks = Vec::new();
     for p in 0..LATENCY_PRODUCERS {
         let url = url.clone();
+        let phase = p as f64 / LATENCY_PRODUCERS as f64;
         tasks.push(tokio::spawn(async move {
             let c = pg(&url, "[s4] producer").await?;
             // The stack runs with synchronous_commit=off, where a commit reaches the
@@ -2200,7 +2218,9 @@ async fn latency_case(
                 if now >= end {
                     break;
                 }
-                let due = (secs(now - start) * per) as usize;
+                // Producer p runs p/4 of an interval ahead of producer 0: four producers
+                // started together would otherwise commit in bursts of four, in step.
+                let due = (secs(now - start) * per + phase) as usize;
                 while sent.len() < due {
                     let id = format!("s4-{p}-{}", sent.len());
                     // Autocommit: the statement's return is the commit's return.
@@ -2273,6 +2293,7 @@ async fn latency_case(
         .map_err(|e| format!("[{tag}] {e}"))?;
 
     let mut from_return = Vec::new();
+    let mut dump: Vec<(i64, i64)> = Vec::new();
     let mut from_header = Vec::new();
     let mut unmatched = 0;
     for r in &got {
@@ -2283,11 +2304,27 @@ async fn latency_case(
         });
         match committed {
             Some(t) if *t < measured_from_us => continue,
-            Some(t) => from_return.push(r.recv_us - t),
+            Some(t) => {
+                from_return.push(r.recv_us - t);
+                dump.push((*t, r.recv_us));
+            }
             None => unmatched += 1,
         }
         if let Some(t) = r.header_commit_us {
             from_header.push(r.recv_us - t);
+        }
+    }
+    // PGOUTBOX_BENCH_DUMP_LATENCY=DIR: one CSV per run (commit-return µs, receive µs), in
+    // commit order, to see whether a tail is a few stalls or spread out.
+    if let Some(dir) = std::env::var_os("PGOUTBOX_BENCH_DUMP_LATENCY") {
+        dump.sort_unstable();
+        let mut csv = String::from("commit_return_us,recv_us\n");
+        for (c, r) in &dump {
+            let _ = writeln!(csv, "{c},{r}");
+        }
+        let path = PathBuf::from(dir).join(format!("{tag}-run{run}.csv"));
+        if let Err(e) = fs::write(&path, csv) {
+            eprintln!("bench: WARNING: [{tag}] writing {}: {e}", path.display());
         }
     }
     let confirm_histogram = match (&scrape_before, &scrape_after) {
@@ -2562,8 +2599,8 @@ fn ms_pair(a: f64, b: f64) -> String {
 /// runs), then every run in detail.
 fn latency_tables(runs: &[LatencyRun]) -> String {
     let mut out = String::from(
-        "| target msg/s | runs | achieved msg/s (pgoutbox / Node) | pgoutbox p50 ms | pgoutbox p99 ms | Node relay p50 ms | Node relay p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| target msg/s | pgoutbox shape | runs | achieved msg/s (pgoutbox / Node) | pgoutbox p50 ms | pgoutbox p99 ms | Node relay p50 ms | Node relay p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut rates: Vec<f64> = Vec::new();
     for r in runs {
@@ -2573,10 +2610,19 @@ fn latency_tables(runs: &[LatencyRun]) -> String {
     }
     let dash = || "–".to_string();
     let median = |v: Vec<f64>| median_min_max(v).0;
-    for rate in rates {
+    let mut labels: Vec<&str> = Vec::new();
+    for r in runs {
+        if r.relay.starts_with("pgoutbox") && !labels.contains(&r.relay.as_str()) {
+            labels.push(&r.relay);
+        }
+    }
+    for (rate, label) in rates
+        .iter()
+        .flat_map(|rate| labels.iter().map(move |l| (*rate, *l)))
+    {
         let p: Vec<&LatencyRun> = runs
             .iter()
-            .filter(|r| r.target_msgs_per_s == rate && r.relay.starts_with("pgoutbox"))
+            .filter(|r| r.target_msgs_per_s == rate && r.relay == label)
             .collect();
         let n: Vec<&LatencyRun> = runs
             .iter()
@@ -2608,7 +2654,8 @@ fn latency_tables(runs: &[LatencyRun]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {rate:.0} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            "| {rate:.0} | {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            label.trim_start_matches("pgoutbox "),
             p.len().max(n.len()),
             med(&p, &|r| r.achieved_msgs_per_s, 0),
             med(&n, &|r| r.achieved_msgs_per_s, 0),
@@ -2890,7 +2937,12 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             }
             v
         };
-        let relays = with_node(vec![Relay::Pgoutbox(Shape::Full, Metrics::On)]);
+        let relays = with_node(
+            args.s4_shapes
+                .iter()
+                .map(|shape| Relay::Pgoutbox(*shape, Metrics::On))
+                .collect(),
+        );
         for run in 1..=args.runs {
             for (rate, source) in &rates {
                 let rate = *rate;
@@ -2949,7 +3001,8 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         writeln!(
         md,
         "Postgres runs with **{}** (deploy/stack.sh: no WAL durability; producers and decode are \
-         faster than on a durable server). Messages persistent (delivery_mode 2), durable classic \
+         faster than on a durable server); RabbitMQ with scheduler busy-waiting off (+sbwt none, \
+         the advice for a node sharing its cores). Messages persistent (delivery_mode 2), durable classic \
          queue bound with `#`, publisher confirms; pgoutbox and the Node relay run with a window \
          of {PGOUTBOX_WINDOW}. Each backlog is drained once per relay, each on its own slot. \
          Values: median [min–max] over runs. sent = the shape of a message taken from the \
@@ -2983,7 +3036,7 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             "\nSteady-state latency, {} paced producers (synchronous_commit={}), one message \
              per transaction, 256 B, {} s per run. Latency = consumer receive time − the \
              producer's commit-return time (matched by message_id for pgoutbox, by message LSN \
-             for the Node relay). pgoutbox runs the full shape. /metrics: pgoutbox's own \
+             for the Node relay). pgoutbox runs the full shape unless `--s4-shapes` adds minimal (one row per shape). /metrics: pgoutbox's own \
              `pgoutbox_confirm_latency_seconds` (commit to broker confirm), scraped before and \
              after, differenced, quantiles interpolated within buckets. Commit-header: receive \
              time − `x-pgoutbox-commit-time-us`. The quantiles leave out the messages \
