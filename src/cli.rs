@@ -542,8 +542,8 @@ pub struct RunArgs {
     pub max_message_bytes: usize,
     /// Microseconds between two small reads of the replication stream while 4 or more
     /// publishes are unconfirmed: one read (and one publish batch) per interval instead of
-    /// one per transaction. Adds up to this much latency to trade it for fewer wake-ups; the
-    /// default 0 reads every transaction as it arrives (0 to 100000).
+    /// one per transaction. Adds up to this much latency (plus the timer's 1 ms resolution) for
+    /// fewer wake-ups; the default 0 reads every transaction as it arrives (0 to 100000).
     #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
     pub read_coalesce_us: u64,
     /// The broker's max_message_size in bytes, if known: payloads larger than this are

@@ -47,7 +47,7 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 ///
 /// The loop batches by itself: whatever arrived while a turn ran is read in one piece, and a
 /// publish no longer wakes another thread. Measured side by side (bench scenario 4, 2,000 and
-/// 4,000 msg/s, 2026-12-02), a 1 ms delay saved no CPU per message and added about 0.4 ms to
+/// 4,000 msg/s, 2026-12-02), a 1 ms delay saved no CPU per message and added 0.5–1.1 ms to
 /// the median, so it is off unless asked for.
 pub const DEFAULT_READ_COALESCE: Duration = Duration::ZERO;
 
