@@ -90,7 +90,7 @@ const PRODUCER_SYNC_COMMIT: &str = "on";
 /// Steady-state rates always tried (msg/s), below half the scenario-2 drain rate, which is
 /// the last row; 250 is the low-rate row (every message meets an idle pipeline).
 const LATENCY_RATES: [f64; 4] = [250.0, 1_000.0, 2_000.0, 4_000.0];
-/// The rate of `--quick`'s one steady-state row (msg/s): the low-rate row.
+/// The rate of `--quick`'s one steady-state row (msg/s).
 const QUICK_LATENCY_RATE: f64 = 1_000.0;
 /// The first part of each steady-state run that its latency quantiles leave out (a new
 /// relay process, its connections and the broker's new queue settle in); the CPU figures
@@ -147,7 +147,7 @@ struct Args {
     quick: bool,
     runs: u32,
     scenarios: Vec<u32>,
-    /// Scenario 4's producer rates (msg/s) instead of 1,000 / 2,000 / 4,000 / half the
+    /// Scenario 4's producer rates (msg/s) instead of 250 / 1,000 / 2,000 / 4,000 / half the
     /// scenario-2 median.
     s4_rates: Option<Vec<f64>>,
     /// Scenario 4's pgoutbox message shapes (`--s4-shapes`; default full only).
