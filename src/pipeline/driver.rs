@@ -718,7 +718,10 @@ async fn start_stream(
             .start_logical_replication(&config.slot, start, &options)
             .await
         {
-            Ok(stream) => return Ok((stream, status_interval(timeout), identity, start)),
+            Ok(stream) => {
+                standby.leave(sql).await;
+                return Ok((stream, status_interval(timeout), identity, start));
+            }
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
                 standby.wait(sql, &config.slot, telemetry).await?;
             }

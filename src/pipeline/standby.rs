@@ -129,6 +129,19 @@ impl Standby {
         }
     }
 
+    /// After `START_REPLICATION` succeeded: a standby that tagged its SQL session (see
+    /// [`crate::admin::inspection::mark_standby`]) takes the tag off, so `status` no longer
+    /// lists the new holder among the standbys. Best effort: a failure is logged at debug.
+    pub async fn leave(&mut self, sql: &tokio_postgres::Client) {
+        if !self.announced {
+            return;
+        }
+        self.announced = false;
+        if let Err(e) = sql.batch_execute("RESET application_name").await {
+            tracing::debug!(error = %e, "cannot take the standby tag off the SQL session");
+        }
+    }
+
     /// After `START_REPLICATION` failed with 55006: polls the holder every (jittered)
     /// poll until the slot is free, logging the holder on every change and counting each
     /// poll that finds it held as a `slot_busy` reconnect. Returns when the slot looks
