@@ -15,13 +15,14 @@ use amq_protocol::types::AMQPValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::admin;
-use crate::config::{parse_database_url, RunConfig};
-use crate::error::{render_report, Error};
+use crate::config::RunConfig;
+use crate::error::Error;
 use crate::publisher::{
     self,
     connection::{self, Declare},
     socket::{self, Endpoint},
 };
+use crate::report::render_report;
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,17 +72,17 @@ pub async fn check(config: &RunConfig) -> Vec<Finding> {
 /// What producers may name and how exchanges are declared (README, Routing).
 fn routing_summary(config: &RunConfig) -> String {
     use crate::config::{AllowedExchanges, ExchangeDeclare};
-    let allowed = match &config.allowed_exchanges {
+    let allowed = match &config.broker.allowed_exchanges {
         AllowedExchanges::Any => "producers may name any exchange".to_owned(),
         AllowedExchanges::Only(names) if names.is_empty() => {
             "producers may name no exchange but --exchange".to_owned()
         }
         AllowedExchanges::Only(_) => format!(
             "producers may name only {} (--allowed-exchanges) besides --exchange",
-            config.allowed_exchanges
+            config.broker.allowed_exchanges
         ),
     };
-    let declare = match config.exchange_declare {
+    let declare = match config.broker.exchange_declare {
         ExchangeDeclare::DurableTopic => "declared as durable topic exchanges on first use",
         ExchangeDeclare::Passive => {
             "only checked (--no-declare): a missing one dead-letters its messages as exchange_not_found"
@@ -89,7 +90,7 @@ fn routing_summary(config: &RunConfig) -> String {
     };
     format!(
         "default exchange {:?}; {allowed}; exchanges {declare}",
-        config.exchange
+        config.broker.exchange
     )
 }
 
@@ -109,14 +110,10 @@ fn report(e: &Error) -> String {
 }
 
 async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
-    let client = match parse_database_url(&config.database_url) {
-        Ok(pg) => admin::connect(&pg).await,
-        Err(e) => Err(Error::Config(e)),
-    };
-    let client = match client {
+    let client = match crate::postgres::connect(&config.postgres.database).await {
         Ok(c) => c,
         Err(e) => {
-            out.push(finding(Severity::Problem, "postgres", report(&e)));
+            out.push(finding(Severity::Problem, "postgres", report(&e.into())));
             return;
         }
     };
@@ -196,7 +193,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
             format!("unknown: {}", report(&e)),
         )),
     }
-    let slot = &config.slot;
+    let slot = &config.postgres.slot;
     match admin::slot_status(&client, slot).await {
         Ok(s) => {
             out.push(finding(
@@ -263,7 +260,7 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
             out.push(finding(Severity::Problem, "slot", text));
         }
     }
-    let publication = &config.publication;
+    let publication = &config.postgres.publication;
     match admin::publication_exists(&client, publication).await {
         Ok(true) => out.push(finding(
             Severity::Ok,
@@ -277,26 +274,32 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         )),
         Err(e) => out.push(finding(Severity::Problem, "publication", report(&e))),
     }
-    match admin::resolve_prefix(&client, &config.schema, config.prefix.as_ref()).await {
+    match admin::resolve_prefix(
+        &client,
+        &config.postgres.schema,
+        config.postgres.prefix.as_ref(),
+    )
+    .await
+    {
         Ok(prefix) => out.push(finding(
             Severity::Ok,
             "outbox",
-            format!("schema {}, prefix {prefix}", config.schema),
+            format!("schema {}, prefix {prefix}", config.postgres.schema),
         )),
         Err(e) => out.push(finding(Severity::Problem, "outbox", report(&e))),
     }
     precondition(
         out,
         "dead letters",
-        admin::check_dead_letter_privileges(&client, &config.schema, slot).await,
+        admin::check_dead_letter_privileges(&client, &config.postgres.schema, slot).await,
     );
     match admin::check_background_privileges(
         &client,
-        &config.schema,
+        &config.postgres.schema,
         slot,
-        config.journal == crate::config::JournalMode::On,
-        config.retention.idempotency.age().is_some(),
-        config.retention.journal.age().is_some(),
+        config.observability.journal == crate::config::JournalMode::On,
+        config.postgres.retention.idempotency.age().is_some(),
+        config.postgres.retention.journal.age().is_some(),
     )
     .await
     {
@@ -326,15 +329,15 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
 /// (URL without its password), and a node that fails while another passes is a warning,
 /// not a problem: `run` fails over to the nodes that answer.
 async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
-    if config.amqp_urls.len() <= 1 {
-        for url in &config.amqp_urls {
+    if config.broker.amqp_urls.len() <= 1 {
+        for url in &config.broker.amqp_urls {
             broker_node(config, url, out).await;
         }
         return;
     }
-    let total = config.amqp_urls.len();
+    let total = config.broker.amqp_urls.len();
     let mut per_node = Vec::with_capacity(total);
-    for url in &config.amqp_urls {
+    for url in &config.broker.amqp_urls {
         let mut found = Vec::new();
         broker_node(config, url, &mut found).await;
         per_node.push((crate::config::redact_url(url), found));
@@ -381,7 +384,7 @@ async fn broker_node(config: &RunConfig, amqp_url: &str, out: &mut Vec<Finding>)
             return;
         }
     }
-    let exchange = &config.exchange;
+    let exchange = &config.broker.exchange;
     let opened = connection::open(&endpoint, exchange, Declare::Passive, "pgoutbox check");
     match tokio::time::timeout(CHECK_TIMEOUT, opened).await {
         Ok(Ok(opened)) => {
@@ -393,7 +396,7 @@ async fn broker_node(config: &RunConfig, amqp_url: &str, out: &mut Vec<Finding>)
             let _ = tokio::time::timeout(CHECK_TIMEOUT, opened.close()).await;
         }
         Ok(Err(publisher::Error::Declare { reply_code: 404, .. }))
-            if config.exchange_declare == crate::config::ExchangeDeclare::Passive =>
+            if config.broker.exchange_declare == crate::config::ExchangeDeclare::Passive =>
         {
             out.push(finding(
                 Severity::Problem,

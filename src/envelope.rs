@@ -56,23 +56,17 @@ pub const VERSION_3: u8 = 3;
 /// The newest envelope version this pgoutbox reads (and the one the SQL helpers write).
 pub const CURRENT_VERSION: u8 = VERSION_3;
 
-/// The maximum length in bytes of the topic, message id, content type, each header key and
-/// each text metadata field: they become AMQP short strings (routing key, message-id,
-/// content-type, correlation-id, field-table key), and the metadata sent as header values
-/// is held to the same bound.
-pub const MAX_SHORT_STR: usize = 255;
+/// The longest short-string field in bytes ([`crate::contract::MAX_SHORT_STR`]).
+pub use crate::contract::MAX_SHORT_STR;
 
 /// The highest first byte read as a (future) envelope version. Versions grow by one per
 /// format change, so anything above this, in particular any printable ASCII character
 /// (0x20 and up), is not a version but content that is no envelope.
 pub const MAX_FUTURE_VERSION: u8 = 0x1f;
 
-/// The highest AMQP priority a producer may give (`priority` 0 to 9).
-pub const MAX_PRIORITY: u8 = 9;
-
-/// The largest per-message TTL (`expiration_ms`) RabbitMQ accepts: 2^32 - 1 ms (about 49.7
-/// days); a larger `expiration` property makes the broker close the channel.
-pub const MAX_EXPIRATION_MS: u64 = u32::MAX as u64;
+/// The highest priority and the largest TTL a producer may give
+/// ([`crate::contract`]'s property rules).
+pub use crate::contract::{MAX_EXPIRATION_MS, MAX_PRIORITY};
 
 /// The longest `tracestate` W3C Trace Context section 3.3.1.1 asks vendors to propagate.
 pub const MAX_TRACESTATE_LEN: usize = 512;
@@ -92,8 +86,8 @@ fn printable(b: u8) -> String {
 /// Length in bytes of the fixed part before the header: version byte and u32 header length.
 const FIXED_LEN: usize = 1 + 4;
 
-/// Header keys starting with this (ASCII case-insensitively) are reserved for pgoutbox.
-const RESERVED_HEADER_PREFIX: &str = "x-pgoutbox-";
+use crate::contract::envelope_key as key;
+use crate::contract::{FORBIDDEN_HEADER_KEYS, RESERVED_HEADER_PREFIX};
 
 /// One decoded outbox message.
 #[derive(Debug, Clone, PartialEq)]
@@ -600,10 +594,10 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
             found: json_type(&header),
         });
     };
-    let message_id = take_string(&mut header, "id")?;
-    let topic = take_string(&mut header, "topic")?;
-    let content_type = take_string(&mut header, "content_type")?;
-    let headers = match header.remove("headers") {
+    let message_id = take_string(&mut header, key::ID)?;
+    let topic = take_string(&mut header, key::TOPIC)?;
+    let content_type = take_string(&mut header, key::CONTENT_TYPE)?;
+    let headers = match header.remove(key::HEADERS) {
         None => return Err(EnvelopeError::MissingField { field: "headers" }),
         Some(Value::Object(m)) => m,
         Some(other) => {
@@ -614,21 +608,21 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
     };
 
     let emitted_by = if version >= VERSION_2 {
-        take_opt_string(&mut header, "emitted_by")?
+        take_opt_string(&mut header, key::EMITTED_BY)?
     } else {
         None
     };
     let (exchange, meta) = if version >= VERSION_3 {
         let h = &mut header;
-        let exchange = take_opt_string(h, "exchange")?;
+        let exchange = take_opt_string(h, key::EXCHANGE)?;
         let meta = Metadata {
-            correlation_id: take_opt_string(h, "correlation_id")?,
-            causation_id: take_opt_string(h, "causation_id")?,
-            aggregate_type: take_opt_string(h, "aggregate_type")?,
-            aggregate_id: take_opt_string(h, "aggregate_id")?,
-            aggregate_version: take_opt_i64(h, "aggregate_version")?,
-            tenant: take_opt_string(h, "tenant")?,
-            expiration_ms: take_opt_i64(h, "expiration_ms")?
+            correlation_id: take_opt_string(h, key::CORRELATION_ID)?,
+            causation_id: take_opt_string(h, key::CAUSATION_ID)?,
+            aggregate_type: take_opt_string(h, key::AGGREGATE_TYPE)?,
+            aggregate_id: take_opt_string(h, key::AGGREGATE_ID)?,
+            aggregate_version: take_opt_i64(h, key::AGGREGATE_VERSION)?,
+            tenant: take_opt_string(h, key::TENANT)?,
+            expiration_ms: take_opt_i64(h, key::EXPIRATION_MS)?
                 .map(|v| {
                     u64::try_from(v).map_err(|_| {
                         out_of_range(
@@ -639,7 +633,7 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
                     })
                 })
                 .transpose()?,
-            priority: take_opt_i64(h, "priority")?
+            priority: take_opt_i64(h, key::PRIORITY)?
                 .map(|v| {
                     u8::try_from(v)
                         .ok()
@@ -647,9 +641,9 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
                         .ok_or_else(|| out_of_range("priority", v, "expected 0 to 9"))
                 })
                 .transpose()?,
-            traceparent: take_opt_string(h, "traceparent")?,
-            tracestate: take_opt_string(h, "tracestate")?,
-            idempotency_key: take_opt_string(h, "idempotency_key")?,
+            traceparent: take_opt_string(h, key::TRACEPARENT)?,
+            tracestate: take_opt_string(h, key::TRACESTATE)?,
+            idempotency_key: take_opt_string(h, key::IDEMPOTENCY_KEY)?,
         };
         (exchange, meta)
     } else {
@@ -685,40 +679,40 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
 #[must_use]
 pub fn encode(env: &Envelope) -> Vec<u8> {
     let mut header = Map::new();
-    header.insert("id".into(), Value::String(env.message_id.clone()));
-    header.insert("topic".into(), Value::String(env.topic.clone()));
+    header.insert(key::ID.into(), Value::String(env.message_id.clone()));
+    header.insert(key::TOPIC.into(), Value::String(env.topic.clone()));
     header.insert(
-        "content_type".into(),
+        key::CONTENT_TYPE.into(),
         Value::String(env.content_type.clone()),
     );
-    header.insert("headers".into(), Value::Object(env.headers.clone()));
+    header.insert(key::HEADERS.into(), Value::Object(env.headers.clone()));
     let mut text = |key: &str, value: &Option<String>| {
         if let Some(v) = value {
             header.insert(key.into(), Value::String(v.clone()));
         }
     };
     if env.version >= VERSION_2 {
-        text("emitted_by", &env.emitted_by);
+        text(key::EMITTED_BY, &env.emitted_by);
     }
     if env.version >= VERSION_3 {
         let m = &env.meta;
-        text("exchange", &env.exchange);
-        text("correlation_id", &m.correlation_id);
-        text("causation_id", &m.causation_id);
-        text("aggregate_type", &m.aggregate_type);
-        text("aggregate_id", &m.aggregate_id);
-        text("tenant", &m.tenant);
-        text("traceparent", &m.traceparent);
-        text("tracestate", &m.tracestate);
-        text("idempotency_key", &m.idempotency_key);
+        text(key::EXCHANGE, &env.exchange);
+        text(key::CORRELATION_ID, &m.correlation_id);
+        text(key::CAUSATION_ID, &m.causation_id);
+        text(key::AGGREGATE_TYPE, &m.aggregate_type);
+        text(key::AGGREGATE_ID, &m.aggregate_id);
+        text(key::TENANT, &m.tenant);
+        text(key::TRACEPARENT, &m.traceparent);
+        text(key::TRACESTATE, &m.tracestate);
+        text(key::IDEMPOTENCY_KEY, &m.idempotency_key);
         if let Some(v) = m.aggregate_version {
-            header.insert("aggregate_version".into(), v.into());
+            header.insert(key::AGGREGATE_VERSION.into(), v.into());
         }
         if let Some(v) = m.expiration_ms {
-            header.insert("expiration_ms".into(), v.into());
+            header.insert(key::EXPIRATION_MS.into(), v.into());
         }
         if let Some(v) = m.priority {
-            header.insert("priority".into(), v.into());
+            header.insert(key::PRIORITY.into(), v.into());
         }
     }
     let header = Value::Object(header).to_string();
@@ -767,7 +761,10 @@ impl Envelope {
             if reserved {
                 return Err(EnvelopeError::ReservedHeaderKey { key: key.clone() });
             }
-            if key.eq_ignore_ascii_case("cc") || key.eq_ignore_ascii_case("bcc") {
+            if FORBIDDEN_HEADER_KEYS
+                .iter()
+                .any(|forbidden| key.eq_ignore_ascii_case(forbidden))
+            {
                 return Err(EnvelopeError::ForbiddenHeaderKey { key: key.clone() });
             }
         }

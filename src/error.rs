@@ -23,30 +23,10 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
-    /// An ordinary SQL connection did not complete its handshake (TCP connect, startup and
-    /// authentication) within the connect timeout: the host accepted TCP, or nobody
-    /// answered, and the server never finished. Retryable (`run` reconnects with backoff).
-    #[error("connecting to {target} timed out after {timeout_s} s (connect_timeout): the server did not finish the connection handshake; check that PostgreSQL is running and answering at that host and port, or raise connect_timeout in --database-url (for example ?connect_timeout=30)")]
-    PostgresConnectTimeout {
-        /// `user@host:port/dbname` (no password).
-        target: String,
-        /// The timeout applied, in seconds.
-        timeout_s: u64,
-    },
-    /// The server asked for a password and the database URL carries none. Definite.
-    #[error("{target} asks for a password and none was given: add it to --database-url (PGOUTBOX_DATABASE_URL) as postgres://user:password@host:port/db, or put it alone in a file named by PGOUTBOX_DATABASE_PASSWORD_FILE")]
-    PostgresPasswordMissing {
-        /// `user@host:port/dbname` (no password).
-        target: String,
-        /// tokio-postgres' error.
-        #[source]
-        source: tokio_postgres::Error,
-    },
-    /// TLS to PostgreSQL failed on the SQL connection: a certificate that did not verify,
-    /// a server without TLS where the mode needs it, an unusable TLS file, channel binding
-    /// that `channel_binding=require` could not get. Definite or not as its `definite` says.
+    /// An ordinary SQL connection could not be made: a timeout, a missing password, TLS,
+    /// or the server refused it ([`crate::postgres::Error`]).
     #[error(transparent)]
-    PostgresTls(crate::postgres_tls::TlsError),
+    Postgres(#[from] crate::postgres::Error),
     /// The server is not set up the way pgoutbox needs; the message names the setting,
     /// the value and the fix.
     #[error("{0}")]
@@ -129,6 +109,16 @@ pub enum Error {
     },
 }
 
+impl From<crate::stream_state::Error> for Error {
+    fn from(e: crate::stream_state::Error) -> Self {
+        match e {
+            crate::stream_state::Error::Sql { context, source } => Error::Sql { context, source },
+            crate::stream_state::Error::Precondition(text) => Error::Precondition(text),
+            crate::stream_state::Error::Gap(gap) => Error::SlotGap(gap),
+        }
+    }
+}
+
 impl Error {
     /// Wraps a tokio-postgres error with what we were doing.
     pub fn sql(context: impl Into<String>, source: tokio_postgres::Error) -> Self {
@@ -150,10 +140,14 @@ impl Error {
             | Error::UndecodableWal { .. }
             | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,
-            Error::PostgresPasswordMissing { .. } => false,
+            Error::Postgres(crate::postgres::Error::PasswordMissing { .. }) => false,
             // A certificate that does not verify, a server without TLS, an unusable file:
             // the same attempt fails again (unlike a dropped handshake).
-            Error::PostgresTls(e) => !e.definite,
+            Error::Postgres(crate::postgres::Error::Tls(e)) => !e.definite,
+            Error::Postgres(crate::postgres::Error::ConnectTimeout { .. }) => true,
+            Error::Postgres(crate::postgres::Error::Sql { source, .. }) => !source
+                .code()
+                .is_some_and(|c| is_definite_sqlstate(c.code())),
             Error::Replication(crate::replication::Error::Tls(e)) => !e.definite,
             Error::Replication(e) => {
                 !matches!(
@@ -193,50 +187,14 @@ fn is_definite_sqlstate(code: &str) -> bool {
     code.starts_with("28") || code == "3D000" || code == "42501"
 }
 
-/// The error and its causes on one line, joined by `: ` (for a log field; see
-/// [`render_report`] for the multi-line form).
-pub fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
-    render_report(error)
-        .trim_start_matches("error: ")
-        .replace("\n  caused by: ", ": ")
-}
-
-/// The error and its causes, one per line (`error: ...`, then `  caused by: ...`), each
-/// cause printed once.
-pub fn render_report(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = format!("error: {error}");
-    let mut last = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        // Some libraries repeat their source in their own message: print it once.
-        if !last.contains(&text) {
-            out.push_str(&format!("\n  caused by: {text}"));
-        }
-        last = text;
-        source = cause.source();
-    }
-    out
-}
+/// The report helpers, kept where they were for the code above this layer (`main`,
+/// `admin`, `pipeline`); they live in [`crate::report`], which every layer may use.
+pub use crate::report::{one_line, render_report};
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::publisher::Error as PublisherError;
-
-    #[derive(Debug, thiserror::Error)]
-    #[error("session failed")]
-    struct Outer(#[source] std::io::Error);
-
-    #[test]
-    fn one_line_joins_the_causes_a_report_prints_on_separate_lines() {
-        let e = Outer(std::io::Error::other("connection refused"));
-        assert_eq!(
-            render_report(&e),
-            "error: session failed\n  caused by: connection refused"
-        );
-        assert_eq!(one_line(&e), "session failed: connection refused");
-    }
 
     #[test]
     fn an_unusable_tls_file_is_definite_and_a_failed_handshake_is_retried() {

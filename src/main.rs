@@ -2,8 +2,9 @@
 
 use std::process::ExitCode;
 
-use pgoutbox::cli::{Cli, Command, DeadLetterCommand, Force, LogFormat};
-use pgoutbox::config::validate_identifier;
+use pgoutbox::admin::Force;
+use pgoutbox::cli::{Command, DeadLetterCommand, LogFormat};
+use pgoutbox::config::{validate_identifier, RunConfig, ValidationError};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
 
@@ -26,18 +27,20 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(cli.log_format);
-    // Settings are checked before anything else happens, so a bad one is a usage error
-    // (exit 2), like the ones clap finds, and never a panic later (a shutdown timeout of
-    // u64::MAX seconds used to overflow `Instant` at SIGTERM).
-    if let Command::Run(args) | Command::Check(args) = &cli.command {
-        if let Err(e) = args.clone().into_config().and_then(|c| c.validate()) {
+    // Settings are parsed and checked once, here, before anything else happens, so a bad
+    // one is a usage error (exit 2), like the ones clap finds, and never a panic later (a
+    // shutdown timeout of u64::MAX seconds used to overflow `Instant` at SIGTERM). What
+    // `run` and `check` are handed is valid by construction.
+    let job = match Job::of(cli.command) {
+        Ok(job) => job,
+        Err(e) => {
             report_exit(cli.log_format, &e);
             if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
                 eprintln!("  {note}");
             }
             return ExitCode::from(EXIT_USAGE);
         }
-    }
+    };
     // One thread runs the whole pipeline (replication reader, core, publish and confirm
     // tasks): handing each message between worker threads cost more CPU than the work
     // itself. The publisher's socket is driven from this thread too (no I/O thread of its
@@ -53,9 +56,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let is_status = matches!(cli.command, Command::Status(_));
+    let is_status = matches!(job, Job::Other(Command::Status(_)));
     let format = cli.log_format;
-    match runtime.block_on(try_main(cli)) {
+    match runtime.block_on(try_main(job)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             report_exit(format, &e);
@@ -189,9 +192,47 @@ fn usage_error(e: clap::Error) -> ExitCode {
     ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE))
 }
 
+/// What to do: `run` and `check` with their settings parsed and validated, or another
+/// subcommand.
+enum Job {
+    /// `run`, and the flags that carried a password on the command line (to warn about).
+    Run(RunConfig, Vec<&'static str>),
+    /// `check`.
+    Check(RunConfig),
+    /// Every other subcommand (they validate their few arguments as they go).
+    Other(Command),
+}
+
+impl Job {
+    /// Builds the validated settings of `run` and `check`.
+    fn of(command: Command) -> Result<Job, ValidationError> {
+        Ok(match command {
+            Command::Run(args) => {
+                let passwords = args.passwords_on_argv.clone();
+                Job::Run(args.into_config()?, passwords)
+            }
+            Command::Check(args) => Job::Check(args.into_config()?),
+            other => Job::Other(other),
+        })
+    }
+}
+
 /// Runs the command; `Ok` carries the exit status (`status` exits by health, the others 0).
-async fn try_main(cli: Cli) -> Result<u8, Error> {
-    match cli.command {
+async fn try_main(job: Job) -> Result<u8, Error> {
+    let command = match job {
+        Job::Run(config, passwords_on_argv) => return run(config, &passwords_on_argv).await,
+        Job::Check(config) => {
+            let findings = pgoutbox::check::check(&config).await;
+            return match pgoutbox::check::print(&findings) {
+                0 => Ok(0),
+                n => Err(Error::Precondition(format!(
+                    "check found {n} problem(s) that would stop `run`"
+                ))),
+            };
+        }
+        Job::Other(command) => command,
+    };
+    match command {
         Command::Setup(args) => {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
@@ -208,7 +249,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             } else if args.unlock {
                 admin::require_default_schema(&schema, "--unlock")?;
             }
-            let client = admin::connect(&args.db.url.config()?).await?;
+            let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
             if args.lockdown {
                 admin::lockdown::require_superuser(&client, "--lockdown").await?;
             } else if args.unlock {
@@ -290,7 +331,7 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
             validate_identifier("--slot", &args.db.slot)?;
             validate_identifier("--publication", &args.publication)?;
             let schema = args.db.schema()?;
-            let client = admin::connect(&args.db.url.config()?).await?;
+            let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
             let force = if args.force { Force::Yes } else { Force::No };
             let report =
                 admin::teardown(&client, &schema, &args.db.slot, &args.publication, force).await?;
@@ -314,32 +355,25 @@ async fn try_main(cli: Cli) -> Result<u8, Error> {
         Command::DeadLetters(cmd) => dead_letters(cmd).await.map(|()| 0),
         Command::Maintenance(args) => maintenance(args).await,
         Command::Journal(args) => journal(args).await,
-        Command::Check(args) => {
-            let findings = pgoutbox::check::check(&args.into_config()?).await;
-            match pgoutbox::check::print(&findings) {
-                0 => Ok(0),
-                n => Err(Error::Precondition(format!(
-                    "check found {n} problem(s) that would stop `run`"
-                ))),
-            }
-        }
-        Command::Run(args) => {
-            if !args.passwords_on_argv.is_empty() {
-                tracing::warn!(
-                    flags = %args.passwords_on_argv.join(", "),
-                    "a password was given on the command line ({}): every user of this machine can read it in the process list; set it through the environment (PGOUTBOX_DATABASE_URL, PGOUTBOX_AMQP_URL) or a file instead (--database-url-file, --amqp-url-file, PGOUTBOX_DATABASE_PASSWORD_FILE, PGOUTBOX_AMQP_PASSWORD_FILE)",
-                    args.passwords_on_argv.join(", ")
-                );
-            }
-            let config = args.into_config()?;
-            let (tx, rx) = tokio::sync::watch::channel(false);
-            tokio::spawn(async move {
-                wait_for_signal().await;
-                let _ = tx.send(true);
-            });
-            pipeline::run(config, rx).await.map(|_| 0)
-        }
+        Command::Run(_) | Command::Check(_) => unreachable!("built into a Job by Job::of"),
     }
+}
+
+/// `run`: streams until SIGINT or SIGTERM.
+async fn run(config: RunConfig, passwords_on_argv: &[&str]) -> Result<u8, Error> {
+    if !passwords_on_argv.is_empty() {
+        tracing::warn!(
+            flags = %passwords_on_argv.join(", "),
+            "a password was given on the command line ({}): every user of this machine can read it in the process list; set it through the environment (PGOUTBOX_DATABASE_URL, PGOUTBOX_AMQP_URL) or a file instead (--database-url-file, --amqp-url-file, PGOUTBOX_DATABASE_PASSWORD_FILE, PGOUTBOX_AMQP_PASSWORD_FILE)",
+            passwords_on_argv.join(", ")
+        );
+    }
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = tx.send(true);
+    });
+    pipeline::run(config, rx).await.map(|_| 0)
 }
 
 /// Waits for SIGINT or SIGTERM.
@@ -362,7 +396,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
     match cmd {
         DeadLetterCommand::List(args) => {
             let schema = args.db.schema()?;
-            let client = admin::connect(&args.db.url.config()?).await?;
+            let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
             let rows = admin::list_dead_letters(&client, &schema, args.all, args.limit).await?;
             if args.json {
                 println!("{}", serde_json::to_string(&rows).unwrap_or_default());
@@ -390,7 +424,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
         }
         DeadLetterCommand::Requeue(args) => {
             let schema = args.db.schema()?;
-            let mut client = admin::connect(&args.db.url.config()?).await?;
+            let mut client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
             let selection = if args.all {
                 admin::Selection::All
             } else {
@@ -418,7 +452,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
         }
         DeadLetterCommand::Purge(args) => {
             let schema = args.db.schema()?;
-            let client = admin::connect(&args.db.url.config()?).await?;
+            let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
             let selection = match (args.all, args.older_than) {
                 (true, _) => admin::Selection::All,
                 (false, Some(secs)) => admin::Selection::OlderThanSecs(secs),
@@ -438,7 +472,7 @@ async fn dead_letters(cmd: DeadLetterCommand) -> Result<(), Error> {
 async fn maintenance(args: pgoutbox::cli::MaintenanceArgs) -> Result<u8, Error> {
     use pgoutbox::admin::retention::{purge, Purgeable, Purged};
     let schema = args.db.schema()?;
-    let client = admin::connect(&args.db.url.config()?).await?;
+    let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
     let mut failed = 0;
     for (table, retention) in [
         (Purgeable::IdempotencyKeys, args.idempotency_retention),
@@ -469,7 +503,7 @@ const MAINTENANCE_PAUSE: std::time::Duration = std::time::Duration::from_millis(
 
 /// `journal MESSAGE_ID`: prints the entries (exit 0), or says there are none (exit 1).
 async fn journal(args: pgoutbox::cli::JournalArgs) -> Result<u8, Error> {
-    let client = admin::connect(&args.db.url.config()?).await?;
+    let client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
     let rows =
         admin::journal::journal_entries(&client, &args.db.schema()?, &args.message_id).await?;
     if args.json {
@@ -515,7 +549,7 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
             ),
         }));
     }
-    let mut client = admin::connect(&args.db.url.config()?).await?;
+    let mut client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
     let lag = admin::LagThresholds {
         warn_bytes: args.warn_lag_bytes,
         crit_bytes: args.crit_lag_bytes,
@@ -663,7 +697,7 @@ async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
     validate_identifier("--slot", &args.db.slot)?;
     validate_identifier("--publication", &args.publication)?;
     let schema = args.db.schema()?;
-    let mut client = admin::connect(&args.db.url.config()?).await?;
+    let mut client = pgoutbox::postgres::connect(&args.db.url.config()?).await?;
     let prefix = admin::resolve_prefix(&client, &schema, None).await?;
     let payloads = if args.payload {
         admin::Payloads::Include

@@ -24,8 +24,7 @@
 
 use amq_protocol::types::ShortString;
 
-use crate::config::AllowedExchanges;
-use crate::publisher::Exchange;
+use crate::validation::ValidationError;
 
 /// Dead-letter reason: the named exchange is not in `--allowed-exchanges`.
 pub const REASON_NOT_ALLOWED: &str = "exchange_not_allowed";
@@ -38,6 +37,81 @@ pub const REASON_NOT_FOUND: &str = "exchange_not_found";
 pub const REASON_REFUSED: &str = "exchange_refused";
 /// Dead-letter reason for a name that is no exchange name (the existing `poison` reason).
 pub const REASON_POISON: &str = "poison";
+
+/// The exchange a message is published to.
+///
+/// The configured one is a variant without data, so the common case allocates nothing per
+/// message; the publisher holds its name once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exchange {
+    /// The publisher's own exchange (`--exchange`, [`crate::publisher::PublisherConfig::exchange`]),
+    /// declared when the connection opened.
+    Configured,
+    /// An exchange the producer named: declared (or, under `--no-declare`, checked) on its
+    /// first use on a connection, before the message is published (see
+    /// [`crate::publisher::exchanges`]).
+    Named(ShortString),
+}
+
+/// The exchanges producers may name with `outbox.emit(..., exchange => ...)`
+/// (`--allowed-exchanges`). The configured `--exchange` is always allowed, named or not.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum AllowedExchanges {
+    /// No `--allowed-exchanges`: producers may name any exchange (routing by a field of the
+    /// event, as Debezium's outbox event router does).
+    #[default]
+    Any,
+    /// Only these (and `--exchange`); any other is dead-lettered as
+    /// `exchange_not_allowed`. Empty: producers may name only `--exchange`.
+    Only(std::collections::BTreeSet<String>),
+}
+
+impl AllowedExchanges {
+    /// Parses `--allowed-exchanges`: exchange names separated by commas, blanks around each
+    /// trimmed, empty pieces dropped (so `""` allows only `--exchange`).
+    ///
+    /// # Errors
+    /// [`ValidationError`] for `--allowed-exchanges` when a name is longer than 255 bytes.
+    pub fn parse(text: &str) -> Result<Self, ValidationError> {
+        let mut names = std::collections::BTreeSet::new();
+        for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if name.len() > 255 {
+                return Err(ValidationError {
+                    setting: "--allowed-exchanges",
+                    value: text.to_owned(),
+                    rule: format!(
+                        "the exchange name starting {:?} is {} bytes long; AMQP exchange names are 1 to 255 bytes (separate names with commas)",
+                        name.chars().take(40).collect::<String>(),
+                        name.len()
+                    ),
+                });
+            }
+            names.insert(name.to_owned());
+        }
+        Ok(AllowedExchanges::Only(names))
+    }
+
+    /// Whether a producer may name `exchange` (the configured `--exchange` is checked by
+    /// the caller: it is always allowed).
+    pub fn allows(&self, exchange: &str) -> bool {
+        match self {
+            AllowedExchanges::Any => true,
+            AllowedExchanges::Only(names) => names.contains(exchange),
+        }
+    }
+}
+
+impl std::fmt::Display for AllowedExchanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AllowedExchanges::Any => write!(f, "any"),
+            AllowedExchanges::Only(names) => {
+                let list: Vec<&str> = names.iter().map(String::as_str).collect();
+                write!(f, "{}", list.join(","))
+            }
+        }
+    }
+}
 
 /// Why a message may not be published to the exchange its producer named.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,7 +11,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{redact_url, ValidationError};
+use crate::redaction::redact_url;
+use crate::validation::ValidationError;
 
 /// A connection string that may carry a password: `Debug` shows it redacted
 /// ([`redact_url`]), so a derived `Debug` of the CLI structs never prints it.
@@ -130,7 +131,7 @@ pub fn resolve(target: Target, sources: &Sources) -> Result<String, ValidationEr
                 rule: format!(
                     "missing: pass it, or name a file holding it with {} ({})",
                     target.file_flag(),
-                    crate::config::env_of(target.file_flag()).unwrap_or_default()
+                    crate::validation::env_of(target.file_flag()).unwrap_or_default()
                 ),
             })
         }
@@ -419,8 +420,11 @@ mod tests {
         let parsed: tokio_postgres::Config = kv.parse().unwrap();
         assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
         let amqp = with_url_password(Target::Amqp, "amqp://g@h:5672/%2f", PW).unwrap();
-        let ep = crate::publisher::socket::Endpoint::parse(&amqp).unwrap();
-        assert_eq!(ep.uri.authority.userinfo.password, PW);
+        let parsed = url::Url::parse(&amqp).unwrap();
+        let password = percent_encoding::percent_decode_str(parsed.password().unwrap())
+            .decode_utf8()
+            .unwrap();
+        assert_eq!((parsed.username(), password.as_ref()), ("g", PW));
         // Twice is a conflict, without showing either password.
         for (conn, target) in [
             ("postgres://u:old@h/db", Target::Postgres),
@@ -447,11 +451,14 @@ mod tests {
             ..AmqpTlsFiles::default()
         };
         let url = with_amqp_tls_files("amqps://g:g@h/%2f", &files).unwrap();
-        let ep = crate::publisher::socket::Endpoint::parse(&url).unwrap();
-        assert_eq!(
-            ep.tls.unwrap().anchors,
-            crate::publisher::tls::TrustAnchors::CaFile("/etc/ca.pem".into())
-        );
+        let query = |url: &str| -> Vec<(String, String)> {
+            url::Url::parse(url)
+                .unwrap()
+                .query_pairs()
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect()
+        };
+        assert_eq!(query(&url), [("cacertfile".into(), "/etc/ca.pem".into())]);
         // The same value twice is fine.
         assert!(with_amqp_tls_files("amqps://h/%2f?cacertfile=/etc/ca.pem", &files).is_ok());
         let e = with_amqp_tls_files("amqps://g:secret@h/%2f?cacertfile=/other.pem", &files)
@@ -473,60 +480,13 @@ mod tests {
             ..AmqpTlsFiles::default()
         };
         let url = with_amqp_tls_files("amqps://h/%2f", &both).unwrap();
-        let id = crate::publisher::socket::Endpoint::parse(&url)
-            .unwrap()
-            .tls
-            .unwrap()
-            .identity
-            .unwrap();
-        assert_eq!(id.certfile, PathBuf::from("/c.pem"));
-        assert_eq!(id.keyfile, PathBuf::from("/k.pem"));
-    }
-
-    #[test]
-    fn debug_of_the_config_types_redacts() {
-        use clap::Parser;
-        let db = "postgres://u:hunter2pg@h/db";
-        let amqp = "amqps://g:hunter2mq@h/%2f?cacertfile=/ca.pem";
-        let cli = crate::cli::Cli::try_parse_from([
-            "pgoutbox",
-            "run",
-            "--database-url",
-            db,
-            "--amqp-url",
-            amqp,
-        ])
-        .unwrap();
-        let run = match &cli.command {
-            crate::cli::Command::Run(args) => args.clone(),
-            _ => unreachable!(),
-        };
-        let config = run.clone().into_config().unwrap();
-        let publisher = crate::publisher::PublisherConfig {
-            amqp_url: config.amqp_urls[0].clone(),
-            exchange: "x".into(),
-            declare: crate::publisher::connection::Declare::DurableTopic,
-            connection_name: "pgoutbox test".into(),
-            signals: Default::default(),
-        };
-        let endpoint = crate::publisher::socket::Endpoint::parse(amqp).unwrap();
-        let file: crate::config_file::FileSettings =
-            toml::from_str(&format!("database_url = {db:?}\namqp_url = {amqp:?}\n")).unwrap();
-        let pg = crate::config::parse_database_url(db).unwrap();
-        for (what, text) in [
-            ("Cli", format!("{cli:?}")),
-            ("RunArgs", format!("{run:?}")),
-            ("RunConfig", format!("{config:?}")),
-            ("PublisherConfig", format!("{publisher:?}")),
-            ("Endpoint", format!("{endpoint:?}")),
-            ("FileSettings", format!("{file:?}")),
-            ("tokio_postgres::Config", format!("{pg:?}")),
-            ("Secret", format!("{:?}", Secret(db.into()))),
-        ] {
-            assert!(!text.contains("hunter2"), "{what}: {text}");
-            // Still useful: the user and host are shown.
-            assert!(text.contains('u') && text.contains('h'), "{what}: {text}");
-        }
+        assert_eq!(
+            query(&url),
+            [
+                ("certfile".into(), "/c.pem".into()),
+                ("keyfile".into(), "/k.pem".into())
+            ]
+        );
     }
 
     #[test]

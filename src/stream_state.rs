@@ -32,10 +32,41 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use crate::error::Error;
 use crate::lsn::Lsn;
 use crate::outbox_schema::SchemaName;
 use crate::replication::connect::SystemIdentity;
+
+/// What reading, writing or judging the record can fail with. Converts into the
+/// top-level [`crate::error::Error`] (as `Sql`, `Precondition` and `SlotGap`), which
+/// decides what is retried.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A statement on `outbox.stream_state` failed.
+    #[error("postgres: {context}")]
+    Sql {
+        /// What we were doing.
+        context: String,
+        /// tokio-postgres' error (carries the SQLSTATE).
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The table is missing and cannot be created; the message names the fix.
+    #[error("{0}")]
+    Precondition(String),
+    /// The slot's history has a gap and `--accept-gap` is off.
+    #[error("{0}")]
+    Gap(Gap),
+}
+
+impl Error {
+    /// Wraps a tokio-postgres error with what we were doing.
+    fn sql(context: impl Into<String>, source: tokio_postgres::Error) -> Self {
+        Error::Sql {
+            context: context.into(),
+            source,
+        }
+    }
+}
 
 /// The table's DDL, installed by `setup` (idempotent).
 pub const STREAM_STATE_SQL: &str = include_str!("../sql/stream_state.sql");
@@ -484,7 +515,7 @@ pub async fn start_hint(
 /// LSN to be reported) and starts the [`recorder`] on `client`.
 ///
 /// # Errors
-/// [`Error::SlotGap`] when the slot's history has a gap and `config.accept_gap` is off;
+/// [`Error::Gap`] when the slot's history has a gap and `config.postgres.accept_gap` is off;
 /// [`Error::Sql`].
 pub async fn session_start(
     client: Client,
@@ -493,8 +524,8 @@ pub async fn session_start(
     slot_lsn: Lsn,
     start: Lsn,
 ) -> Result<(FlushGate, RecordedHandle), Error> {
-    let slot = config.slot.as_str();
-    let schema = &config.schema;
+    let slot = config.postgres.slot.as_str();
+    let schema = &config.postgres.schema;
     // Like the dead letters: never wait for a synchronous standby that may be us.
     client
         .batch_execute("SET synchronous_commit = local")
@@ -513,7 +544,7 @@ pub async fn session_start(
             );
         }
         Verdict::SlotBehind { .. } => {}
-        Verdict::Gap(gap) if !config.accept_gap => return Err(Error::SlotGap(gap)),
+        Verdict::Gap(gap) if !config.postgres.accept_gap => return Err(Error::Gap(gap)),
         Verdict::Gap(gap) => {
             tracing::error!(
                 slot,
@@ -704,7 +735,7 @@ pub fn recorder(
                     tokio::time::sleep(RECORD_INTERVAL).await;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %crate::error::one_line(&e), flush_lsn = %target, "could not record the flush LSN in outbox.stream_state; not reporting it yet");
+                    tracing::warn!(error = %crate::report::one_line(&e), flush_lsn = %target, "could not record the flush LSN in outbox.stream_state; not reporting it yet");
                     if client.is_closed() {
                         return;
                     }

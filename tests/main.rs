@@ -17,6 +17,7 @@ mod hardening;
 mod harness_smoke;
 mod inbox;
 mod journal;
+mod layers;
 mod lifecycle;
 mod lockdown;
 mod observability;

@@ -8,7 +8,7 @@ use crate::error::Error;
 use crate::lsn::Lsn;
 use crate::outbox_schema::{MessagePrefix, SchemaName};
 
-use super::provisioning::{check_replication_role, check_wal_level, publication_exists};
+use super::server::{check_replication_role, check_wal_level, publication_exists};
 
 /// One slot as `status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -1037,7 +1037,7 @@ pub async fn health(
                     Err(e) => {
                         unknown = Some(format!(
                             "unknown: {}",
-                            crate::error::render_report(&e).replace('\n', "; ")
+                            crate::report::render_report(&e).replace('\n', "; ")
                         ))
                     }
                 }
@@ -1102,7 +1102,7 @@ pub async fn health(
                 format!(
                     "cannot read {}: {}",
                     schema.qualify("stream_state"),
-                    crate::error::one_line(&e)
+                    crate::report::one_line(&e)
                 ),
             );
             (None, None)

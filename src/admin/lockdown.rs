@@ -176,3 +176,22 @@ pub async fn unlock(client: &Client) -> Result<LockdownState, Error> {
     in_transaction(client, UNLOCK_SQL, "applying sql/unlock.sql").await?;
     lockdown_state(client).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox_schema::SchemaName;
+
+    #[test]
+    fn lockdown_is_only_for_the_default_schema() {
+        let billing = SchemaName::parse("--schema", "billing").unwrap();
+        let e = require_default_schema(&billing, "--lockdown")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--lockdown") && e.contains("billing") && e.contains("schema outbox"),
+            "{e}"
+        );
+        assert!(require_default_schema(&SchemaName::default(), "--lockdown").is_ok());
+    }
+}

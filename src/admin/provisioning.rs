@@ -1,5 +1,4 @@
-//! `setup` and `teardown`, and the server checks they make (`wal_level`, `REPLICATION`,
-//! free slots, the publication).
+//! `setup` and `teardown` (the server checks they make are [`super::server`]'s).
 
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -8,6 +7,7 @@ use crate::error::Error;
 use crate::outbox_schema::{install_sql, MessagePrefix, SchemaName, SETTINGS_SQL};
 
 use super::inspection::{pending_outbox_messages, schema_flag, slot_status};
+use super::server::{check_replication_role, check_wal_level, publication_exists};
 use super::OUTBOX_SQL;
 
 /// The prefix recorded in `schema`'s settings table (`sql/settings.sql`); `None` when the
@@ -170,58 +170,14 @@ async fn setup_prefix(
     Ok(prefix)
 }
 
-/// Whether a publication of this name exists in the connected database.
-///
-/// # Errors
-/// [`Error::Sql`].
-pub async fn publication_exists(client: &Client, publication: &str) -> Result<bool, Error> {
-    Ok(client
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await
-        .map_err(|e| Error::sql("looking up the publication", e))?
-        .is_some())
-}
-
-/// Fails unless `wal_level = logical`.
-///
-/// # Errors
-/// [`Error::Precondition`] naming the setting, its value and the fix.
-pub async fn check_wal_level(client: &Client) -> Result<(), Error> {
-    let row = client
-        .query_one("SELECT current_setting('wal_level')", &[])
-        .await
-        .map_err(|e| Error::sql("reading wal_level", e))?;
-    let level: String = row.get(0);
-    if level != "logical" {
-        return Err(Error::Precondition(format!(
-            "wal_level is '{level}'; set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
-        )));
-    }
-    Ok(())
-}
-
-/// Fails unless the current role may use replication.
-///
-/// # Errors
-/// [`Error::Precondition`] with the `ALTER ROLE` to run.
-pub async fn check_replication_role(client: &Client) -> Result<(), Error> {
-    let row = client
-        .query_one(
-            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
-            &[],
-        )
-        .await
-        .map_err(|e| Error::sql("reading the role's attributes", e))?;
-    let (user, ok): (String, bool) = (row.get(0), row.get(1));
-    if !ok {
-        return Err(Error::Precondition(format!(
-            "role {user:?} lacks the REPLICATION attribute; run ALTER ROLE \"{user}\" REPLICATION as a superuser"
-        )));
-    }
-    Ok(())
+/// Whether `teardown` may drop a slot that still holds unsent outbox messages
+/// (`teardown --force`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Force {
+    /// Refuse while outbox messages are unsent.
+    No,
+    /// Drop anyway; the unsent messages are lost.
+    Yes,
 }
 
 /// What `setup` did.
@@ -436,7 +392,7 @@ pub async fn teardown(
     schema: &SchemaName,
     slot: &str,
     publication: &str,
-    force: crate::cli::Force,
+    force: Force,
 ) -> Result<TeardownReport, Error> {
     let slot_exists = match slot_status(client, slot).await {
         Ok(status) => {
@@ -450,7 +406,7 @@ pub async fn teardown(
                     status.holder.as_deref().unwrap_or("unknown application")
                 )));
             }
-            if force == crate::cli::Force::No && status.wal_status.as_deref() != Some("lost") {
+            if force == Force::No && status.wal_status.as_deref() != Some("lost") {
                 let prefix = resolve_prefix(client, schema, None).await?;
                 let pending = pending_outbox_messages(client, slot, publication, &prefix).await?;
                 if pending > 0 {

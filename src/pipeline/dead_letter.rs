@@ -87,9 +87,14 @@ impl DeadLetterWriter {
         pg: &crate::config::DatabaseConfig,
         schema: &crate::outbox_schema::SchemaName,
     ) -> Result<Self, Error> {
-        let client =
-            admin::connect_background(pg, "local", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "dead-letter")
-                .await?;
+        let client = crate::postgres::connect_background(
+            pg,
+            "local",
+            LOCK_TIMEOUT,
+            STATEMENT_TIMEOUT,
+            "dead-letter",
+        )
+        .await?;
         let (jobs, rx) = mpsc::unbounded_channel();
         let (tx, written) = mpsc::unbounded_channel();
         let task = tokio::spawn(write_task(client, schema.clone(), rx, tx));
@@ -169,7 +174,7 @@ async fn write_task(
                         lsn = %job.lsn,
                         attempt = tries,
                         retry_in_ms = delay.as_millis() as u64,
-                        error = %crate::error::render_report(&e),
+                        error = %crate::report::render_report(&e),
                         "writing a dead letter waited longer than lock_timeout ({} ms) or statement_timeout ({} ms) for a lock on {}.dead_letter (a LOCK TABLE, VACUUM FULL or repack?); retrying. Status updates and confirms go on meanwhile; nothing after this message is acknowledged until it is written",
                         LOCK_TIMEOUT.as_millis(),
                         STATEMENT_TIMEOUT.as_millis(),

@@ -24,7 +24,7 @@ use super::retention::RetentionTask;
 use super::standby::{note_role, Standby};
 use super::RunSummary;
 use crate::admin;
-use crate::config::{parse_database_url, RunConfig};
+use crate::config::RunConfig;
 use crate::error::Error;
 use crate::lsn::Lsn;
 use crate::metrics::{Phase, Role, Telemetry, DRIVER_BEAT};
@@ -174,7 +174,7 @@ async fn shutdown_requested(shutdown: &mut watch::Receiver<bool>) {
 /// Each session starts from the slot (and from the last LSN this process knows to be
 /// settled, when that is further), so a reconnect re-sends at most what was not confirmed.
 ///
-/// With `config.http_addr` set, `/metrics`, `/healthz` and `/readyz` are served there (see
+/// With `config.observability.http_addr` set, `/metrics`, `/healthz` and `/readyz` are served there (see
 /// [`crate::metrics`]) for as long as this runs.
 ///
 /// # Errors
@@ -188,12 +188,11 @@ pub async fn run(
     config: RunConfig,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<RunSummary, Error> {
-    config.validate()?;
-    let pg = parse_database_url(&config.database_url)?;
-    let telemetry = Telemetry::new(config.stall_after);
-    let _server = match config.http_addr {
+    let pg = config.postgres.database.clone();
+    let telemetry = Telemetry::new(config.observability.stall_after);
+    let _server = match config.observability.http_addr {
         Some(addr) => ServerGuard(Some(
-            crate::metrics::serve(addr, Arc::clone(&telemetry))
+            crate::metrics::http::serve(addr, Arc::clone(&telemetry))
                 .await
                 .map_err(|e| crate::config::ValidationError {
                     setting: "--http-addr",
@@ -207,6 +206,7 @@ pub async fn run(
     };
     let mut memory = SessionMemory {
         broker_limit: config
+            .bounds
             .broker_max_message_bytes
             .map(|max_bytes| BrokerLimit {
                 max_bytes,
@@ -214,8 +214,8 @@ pub async fn run(
             }),
         nodes: BrokerNodes {
             urls: crate::config::order_amqp_urls(
-                &config.amqp_urls,
-                config.amqp_url_order,
+                &config.broker.amqp_urls,
+                config.broker.amqp_url_order,
                 fastrand::u64(..),
             ),
             next: 0,
@@ -231,18 +231,23 @@ pub async fn run(
                 .map(|u| crate::config::redact_url(u))
                 .collect::<Vec<_>>()
                 .join(", "),
-            order = ?config.amqp_url_order,
+            order = ?config.broker.amqp_url_order,
             "RabbitMQ nodes, in the order they are tried"
         );
     }
     // Both background tasks have their own SQL session and never hold back the stream.
-    let _retention = RetentionTask::start(config.retention, &pg, &config.schema, &telemetry);
-    let journal = JournalWriter::start(
-        config.journal,
+    let _retention = RetentionTask::start(
+        config.postgres.retention,
         &pg,
-        &config.schema,
-        &config.slot,
-        &config.exchange,
+        &config.postgres.schema,
+        &telemetry,
+    );
+    let journal = JournalWriter::start(
+        config.observability.journal,
+        &pg,
+        &config.postgres.schema,
+        &config.postgres.slot,
+        &config.broker.exchange,
         crate::config::MAX_STATUS_INTERVAL,
         &telemetry,
     );
@@ -264,7 +269,7 @@ pub async fn run(
         .await;
         telemetry.set_phase(Phase::Connecting);
         if result.is_err() {
-            note_role(&telemetry, &config.slot, Role::None, None);
+            note_role(&telemetry, &config.postgres.slot, Role::None, None);
         }
         let error = match result {
             Ok(()) => return Ok(summary),
@@ -386,7 +391,7 @@ async fn run_session(
         prefix,
     } = connected;
     telemetry.session_started();
-    note_role(telemetry, &config.slot, Role::Active, None);
+    note_role(telemetry, &config.postgres.slot, Role::Active, None);
     journal.set_interval(interval);
     let mut core = Core::new(
         config.clone(),
@@ -450,39 +455,50 @@ async fn connect(
     memory: &SessionMemory,
     telemetry: &Telemetry,
 ) -> Result<Connected, Error> {
-    let sql = admin::connect(pg).await?;
-    admin::preflight(&sql, &config.schema, &config.slot, &config.publication).await?;
+    let sql = crate::postgres::connect(pg).await?;
+    admin::preflight(
+        &sql,
+        &config.postgres.schema,
+        &config.postgres.slot,
+        &config.postgres.publication,
+    )
+    .await?;
     for warning in admin::check_background_privileges(
         &sql,
-        &config.schema,
-        &config.slot,
-        config.journal == crate::config::JournalMode::On,
-        config.retention.idempotency.age().is_some(),
-        config.retention.journal.age().is_some(),
+        &config.postgres.schema,
+        &config.postgres.slot,
+        config.observability.journal == crate::config::JournalMode::On,
+        config.postgres.retention.idempotency.age().is_some(),
+        config.postgres.retention.journal.age().is_some(),
     )
     .await?
     {
         tracing::warn!("{warning}");
     }
-    stream_state::ensure_table(&sql, &config.schema).await?;
-    let prefix = admin::resolve_prefix(&sql, &config.schema, config.prefix.as_ref()).await?;
-    let application_name = format!("pgoutbox-{}", config.instance_id);
+    stream_state::ensure_table(&sql, &config.postgres.schema).await?;
+    let prefix = admin::resolve_prefix(
+        &sql,
+        &config.postgres.schema,
+        config.postgres.prefix.as_ref(),
+    )
+    .await?;
+    let application_name = crate::postgres::application_name(&config.observability.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
     // Read before START_REPLICATION: a lockdown committed after this read is decoded in the
     // stream (its marker), one committed before it is in the record (crate::lockdown).
     // Lockdown is the default outbox's only (admin::require_default_schema): another
     // schema's streamer checks no emitter and ignores the markers.
-    let lockdown = if config.schema.is_default() {
+    let lockdown = if config.postgres.schema.is_default() {
         let lockdown_state = admin::lockdown_state(&sql).await?;
         crate::lockdown::Lockdown::from_record(lockdown_state.since())
     } else {
         crate::lockdown::Lockdown::from_record(None)
     };
-    let dead_letters = DeadLetterWriter::connect(pg, &config.schema).await?;
+    let dead_letters = DeadLetterWriter::connect(pg, &config.postgres.schema).await?;
     let publisher_config = PublisherConfig {
         amqp_url: String::new(),
-        exchange: config.exchange.clone(),
-        declare: match config.exchange_declare {
+        exchange: config.broker.exchange.clone(),
+        declare: match config.broker.exchange_declare {
             crate::config::ExchangeDeclare::DurableTopic => {
                 crate::publisher::connection::Declare::DurableTopic
             }
@@ -490,7 +506,7 @@ async fn connect(
                 crate::publisher::connection::Declare::Passive
             }
         },
-        connection_name: format!("pgoutbox {}", config.instance_id),
+        connection_name: format!("pgoutbox {}", config.observability.instance_id),
         signals: crate::publisher::BrokerSignals {
             blocked: telemetry.broker_blocked_flag(),
             lost: telemetry.broker_lost_flag(),
@@ -500,29 +516,29 @@ async fn connect(
     let (stream, interval, identity, hint) =
         start_stream(config, pg, &sql, &application_name, memory, telemetry).await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
-    let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.slot).await?;
+    let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.postgres.slot).await?;
     let start = slot_lsn.max(hint);
     let (gate, recorded) =
         match stream_state::session_start(sql, config, &identity, slot_lsn, start).await {
             Ok(r) => r,
             Err(e) => {
                 let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
-                return Err(e);
+                return Err(e.into());
             }
         };
     tracing::info!(
-        slot = %config.slot,
-        schema = %config.schema,
+        slot = %config.postgres.slot,
+        schema = %config.postgres.schema,
         prefix = %prefix,
-        publication = %config.publication,
-        exchange = %config.exchange,
-        allowed_exchanges = %config.allowed_exchanges,
-        no_declare = config.exchange_declare == crate::config::ExchangeDeclare::Passive,
+        publication = %config.postgres.publication,
+        exchange = %config.broker.exchange,
+        allowed_exchanges = %config.broker.allowed_exchanges,
+        no_declare = config.broker.exchange_declare == crate::config::ExchangeDeclare::Passive,
         start_lsn = %start,
         slot_confirmed_flush_lsn = %slot_lsn,
         status_interval_ms = interval.as_millis() as u64,
-        max_in_flight = config.max_in_flight,
-        max_in_flight_bytes = config.max_in_flight_bytes,
+        max_in_flight = config.bounds.max_in_flight,
+        max_in_flight_bytes = config.bounds.max_in_flight_bytes,
         lockdown_lsn = %lockdown.since().map(|l| l.to_string()).unwrap_or_else(|| "off".into()),
         "streaming"
     );
@@ -685,13 +701,13 @@ async fn start_stream(
     Error,
 > {
     let mut standby = Standby::new(
-        config.standby_poll,
-        config.slot_busy_timeout,
+        config.postgres.standby_poll,
+        config.postgres.slot_busy_timeout,
         application_name,
     );
     let options = [
         ("proto_version", "1"),
-        ("publication_names", config.publication.as_str()),
+        ("publication_names", config.postgres.publication.as_str()),
         ("messages", "true"),
     ];
     loop {
@@ -707,15 +723,15 @@ async fn start_stream(
         // server skip the new history's commits below it.
         let start = stream_state::start_hint(
             sql,
-            &config.schema,
-            &config.slot,
+            &config.postgres.schema,
+            &config.postgres.slot,
             memory.resume,
             memory.seen.as_ref(),
             &identity,
         )
         .await?;
         match conn
-            .start_logical_replication(&config.slot, start, &options)
+            .start_logical_replication(&config.postgres.slot, start, &options)
             .await
         {
             Ok(stream) => {
@@ -723,14 +739,14 @@ async fn start_stream(
                 return Ok((stream, status_interval(timeout), identity, start));
             }
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
-                standby.wait(sql, &config.slot, telemetry).await?;
+                standby.wait(sql, &config.postgres.slot, telemetry).await?;
             }
             // PostgreSQL 15: "can no longer get changes from replication slot" once
             // max_slot_wal_keep_size invalidated it.
             Err(e) if e.code() == Some("55000") => {
                 return Err(Error::SlotLost {
-                    slot: config.slot.clone(),
-                    confirmed_flush_lsn: admin::slot_status(sql, &config.slot)
+                    slot: config.postgres.slot.clone(),
+                    confirmed_flush_lsn: admin::slot_status(sql, &config.postgres.slot)
                         .await
                         .ok()
                         .and_then(|s| s.confirmed_flush_lsn)

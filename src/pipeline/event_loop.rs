@@ -118,8 +118,11 @@ impl Core {
         prefix: crate::outbox_schema::MessagePrefix,
         journal: JournalHandle,
     ) -> Self {
-        let stall = StallWatch::new(config.stall_after);
-        let router = Router::new(config.exchange.clone(), config.allowed_exchanges.clone());
+        let stall = StallWatch::new(config.observability.stall_after);
+        let router = Router::new(
+            config.broker.exchange.clone(),
+            config.broker.allowed_exchanges.clone(),
+        );
         Core {
             router,
             stream,
@@ -196,8 +199,8 @@ impl Core {
     /// messages and `--max-in-flight-bytes` payload bytes.
     fn has_room(&self) -> bool {
         let backlog = self.wm.backlog();
-        backlog.messages < self.config.max_in_flight as u64
-            && backlog.bytes < self.config.max_in_flight_bytes as u64
+        backlog.messages < self.config.bounds.max_in_flight as u64
+            && backlog.bytes < self.config.bounds.max_in_flight_bytes as u64
     }
 
     /// The main loop: one `select!` with written priorities.
@@ -221,7 +224,7 @@ impl Core {
         let mut drain: Option<Drain> = None;
         if *shutdown.borrow() {
             drain = Some(Drain::Shutdown(
-                Instant::now() + self.config.shutdown_timeout,
+                Instant::now() + self.config.bounds.shutdown_timeout,
             ));
             self.telemetry.set_phase(Phase::Draining);
         }
@@ -257,7 +260,7 @@ impl Core {
                 changed = shutdown.changed(), if streaming => {
                     if changed.is_err() || *shutdown.borrow() {
                         tracing::info!(unconfirmed = self.wm.unconfirmed(), "shutdown requested; draining confirms");
-                        drain = Some(Drain::Shutdown(Instant::now() + self.config.shutdown_timeout));
+                        drain = Some(Drain::Shutdown(Instant::now() + self.config.bounds.shutdown_timeout));
                         self.telemetry.set_phase(Phase::Draining);
                     }
                 }
@@ -320,11 +323,11 @@ impl Core {
                             // once. Large reads (a backlog, big messages) are never delayed: a
                             // delay per read would cap the stream at about one socket buffer
                             // per interval.
-                            if !self.config.read_coalesce.is_zero()
+                            if !self.config.bounds.read_coalesce.is_zero()
                                 && n < COALESCE_BELOW_BYTES
                                 && self.wm.unconfirmed() >= COALESCE_MIN_UNCONFIRMED as u64
                             {
-                                self.next_read_at = Instant::now() + self.config.read_coalesce;
+                                self.next_read_at = Instant::now() + self.config.bounds.read_coalesce;
                             }
                         }
                         Err(e) => drain = self.on_error(e.into())?,
@@ -344,7 +347,7 @@ impl Core {
                 tracing::warn!(error = %e, unconfirmed = self.wm.unconfirmed(), "replication connection lost; collecting outstanding confirms before reconnecting");
                 self.telemetry.set_phase(Phase::ReplicationLost);
                 Ok(Some(Drain::PostgresLost(
-                    Instant::now() + self.config.postgres_loss_drain,
+                    Instant::now() + self.config.bounds.postgres_loss_drain,
                     e,
                 )))
             }
@@ -407,8 +410,8 @@ impl Core {
                 seq,
                 env,
                 exchange,
-                self.config.publish_properties,
-                self.config.cloudevents.as_ref(),
+                self.config.publishing.publish_properties,
+                self.config.publishing.cloudevents.as_ref(),
             )
             .map_err(Error::Stream)?;
         match publisher.publish(message) {
@@ -478,8 +481,8 @@ impl Core {
                     reply_code,
                     reply_text,
                 } => {
-                    let passive =
-                        self.config.exchange_declare == crate::config::ExchangeDeclare::Passive;
+                    let passive = self.config.broker.exchange_declare
+                        == crate::config::ExchangeDeclare::Passive;
                     let refusal = routing::refused(&exchange, reply_code, &reply_text, passive);
                     m.first_error.get_or_insert_with(|| refusal.error.clone());
                     self.dead_letter_in_flight(seq, refusal.reason, refusal.error)?;
@@ -491,7 +494,7 @@ impl Core {
                     self.telemetry.nacked();
                     let error = format!("nacked by the broker (attempt {})", m.attempts);
                     m.first_error.get_or_insert_with(|| error.clone());
-                    if m.attempts >= self.config.max_attempts {
+                    if m.attempts >= self.config.bounds.max_attempts {
                         self.dead_letter_in_flight(seq, "nacked", error)?;
                     } else {
                         let delay = (NACK_RETRY_MIN
@@ -512,10 +515,10 @@ impl Core {
                     let (topic, message_id, exchange) = envelope::decode(m.content.clone())
                         .map(|e| (e.topic, e.message_id, e.exchange))
                         .unwrap_or_default();
-                    let exchange = exchange.unwrap_or_else(|| self.config.exchange.clone());
+                    let exchange = exchange.unwrap_or_else(|| self.config.broker.exchange.clone());
                     let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {exchange:?} for routing key {topic:?}");
                     m.first_error.get_or_insert_with(|| error.clone());
-                    match self.config.on_unroutable {
+                    match self.config.publishing.on_unroutable {
                         UnroutablePolicy::DeadLetter => {
                             self.dead_letter_in_flight(seq, "returned", error)?;
                         }
@@ -663,10 +666,10 @@ impl Core {
             attempts = job.attempts,
             error = %job.last_error,
             published = job.seq.is_some(),
-            schema = %self.config.schema,
+            schema = %self.config.postgres.schema,
             "message dead-lettered to {}.dead_letter (inspect with `pgoutbox dead-letters list{}`)",
-            self.config.schema,
-            crate::admin::schema_flag(&self.config.schema)
+            self.config.postgres.schema,
+            crate::admin::schema_flag(&self.config.postgres.schema)
         );
         self.summary.dead_lettered += 1;
         self.telemetry.dead_lettered(job.reason);
@@ -762,7 +765,7 @@ impl Core {
             // Lockdown is the default outbox's only: another schema's streamer acknowledges
             // the markers like any other prefix (MessagePrefix is never the marker's).
             LogicalMessage::Message(m)
-                if self.config.schema.is_default()
+                if self.config.postgres.schema.is_default()
                     && m.has_prefix(lockdown::MARKER_PREFIX.as_bytes()) =>
             {
                 match self.lockdown.on_marker(m.lsn, &m.content, m.transactional) {
@@ -820,11 +823,11 @@ impl Core {
                         }
                     }
                 }
-                if m.content.len() > self.config.max_message_bytes {
+                if m.content.len() > self.config.bounds.max_message_bytes {
                     let error = format!(
                         "message of {} bytes (envelope) exceeds --max-message-bytes {}",
                         m.content.len(),
-                        self.config.max_message_bytes
+                        self.config.bounds.max_message_bytes
                     );
                     return self.dead_letter_unpublished(
                         m.lsn,

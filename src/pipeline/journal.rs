@@ -218,7 +218,10 @@ impl JournalHandle {
 
 /// Opens the journal's session.
 async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::error::Error> {
-    crate::admin::connect_background(pg, "off", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "journal").await
+    Ok(
+        crate::postgres::connect_background(pg, "off", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "journal")
+            .await?,
+    )
 }
 
 /// Every interval (or earlier when [`EARLY_WRITE_ROWS`] wait), takes what is buffered and
@@ -296,7 +299,7 @@ async fn write_batch(
                 *warned_at = Some(now);
                 tracing::warn!(
                     rows,
-                    error = %crate::error::one_line(&error),
+                    error = %crate::report::one_line(&error),
                     "delivery journal write failed: its rows are dropped (counted in pgoutbox_journal_rows_dropped_total; the messages themselves were delivered); is outbox.journal installed (pgoutbox setup) and may this role INSERT into it?"
                 );
             }

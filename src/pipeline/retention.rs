@@ -66,8 +66,14 @@ impl RetentionTask {
 }
 
 async fn connect(pg: &DatabaseConfig) -> Result<tokio_postgres::Client, crate::error::Error> {
-    crate::admin::connect_background(pg, "local", LOCK_TIMEOUT, STATEMENT_TIMEOUT, "retention")
-        .await
+    Ok(crate::postgres::connect_background(
+        pg,
+        "local",
+        LOCK_TIMEOUT,
+        STATEMENT_TIMEOUT,
+        "retention",
+    )
+    .await?)
 }
 
 async fn retention_task(
@@ -121,7 +127,7 @@ async fn retention_task(
                     client = None;
                     tracing::warn!(
                         table = table.label(),
-                        error = %crate::error::one_line(&error),
+                        error = %crate::report::one_line(&error),
                         retry_in_s = settings.interval.as_secs(),
                         "retention pass failed; it is tried again at the next interval (streaming is not affected)"
                     );

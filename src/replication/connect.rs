@@ -2,7 +2,7 @@
 //!
 //! Follows the PostgreSQL docs, "Frontend/Backend Protocol / Message Flow / Start-up" and
 //! "Streaming Replication Protocol": an SSLRequest and the TLS handshake when `sslmode`
-//! asks for it ([`crate::postgres_tls`]), a StartupMessage with `replication=database`, then
+//! asks for it ([`crate::postgres::tls`]), a StartupMessage with `replication=database`, then
 //! authentication (trust, cleartext password, MD5, SCRAM-SHA-256, SCRAM-SHA-256-PLUS with
 //! `tls-server-end-point` channel binding over TLS),
 //! then simple-query commands (`IDENTIFY_SYSTEM`, `SHOW`), then
@@ -16,59 +16,18 @@ use postgres_protocol::authentication::sasl::{
     ChannelBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
 };
 use postgres_protocol::message::{backend, frontend};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio_postgres::config::Host;
 
 use crate::config::DatabaseConfig;
-use crate::postgres_tls::{self, ChannelBindingMode, SslMode};
+use crate::config::{ChannelBindingMode, SslMode};
+use crate::postgres::tls as postgres_tls;
 
 use crate::lsn::Lsn;
 use crate::replication::error::{Error, ServerError};
 use crate::replication::session::ReplicationStream;
-
-/// A byte stream to the server: TCP or a Unix-domain socket.
-pub(crate) trait Socket: AsyncRead + AsyncWrite + Unpin + Send {
-    /// Ready when the socket has bytes to read (or an error or EOF), without reading them.
-    fn poll_read_ready(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>>;
-}
-
-impl Socket for TcpStream {
-    fn poll_read_ready(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        TcpStream::poll_read_ready(self, cx)
-    }
-}
-
-impl Socket for UnixStream {
-    fn poll_read_ready(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        UnixStream::poll_read_ready(self, cx)
-    }
-}
-
-impl Socket for tokio_rustls::client::TlsStream<TcpStream> {
-    /// Ready when rustls holds decrypted bytes not yet read (`wants_read` is false then),
-    /// else when the TCP socket is: waiting on the socket alone could sleep on plaintext
-    /// already received.
-    fn poll_read_ready(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let (tcp, session) = self.get_ref();
-        if !session.wants_read() {
-            return std::task::Poll::Ready(Ok(()));
-        }
-        tcp.poll_read_ready(cx)
-    }
-}
+use crate::replication::socket::{Socket, READ_CHUNK};
 
 /// Which encryption one connection attempt asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,12 +70,8 @@ async fn request_ssl(socket: &mut TcpStream) -> Result<bool, Error> {
 }
 
 /// How long the handshake (TCP connect, startup, authentication, up to ReadyForQuery) may
-/// take when the URL sets no `connect_timeout` ([`crate::config::DEFAULT_CONNECT_TIMEOUT`]).
-pub const CONNECT_TIMEOUT: Duration = crate::config::DEFAULT_CONNECT_TIMEOUT;
-
-/// Initial capacity of the read buffer in bytes. Large reads keep the walsender from being
-/// woken for every small chunk (see FACTS.md: the reader should read eagerly, in big chunks).
-pub(crate) const READ_CHUNK: usize = 1 << 20;
+/// take when the URL sets no `connect_timeout` ([`crate::postgres::DEFAULT_CONNECT_TIMEOUT`]).
+pub const CONNECT_TIMEOUT: Duration = crate::postgres::DEFAULT_CONNECT_TIMEOUT;
 
 /// What `IDENTIFY_SYSTEM` returned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -199,11 +154,11 @@ impl ReplicationConnection {
     /// starting with `/` is a Unix-socket directory); with `target_session_attrs=read-write`
     /// (or `read-only`) a host whose `transaction_read_only` does not match is skipped, so a
     /// reconnect after a failover finds the new primary. TLS follows `sslmode` as libpq does
-    /// ([`crate::postgres_tls`]): an SSLRequest, then the rustls handshake over the same
+    /// ([`crate::postgres::tls`]): an SSLRequest, then the rustls handshake over the same
     /// socket on `S`; on `N` plaintext only when the mode allows it. `application_name`
     /// shows up in `pg_stat_replication` and the server log. The whole handshake, from the
     /// TCP connect to the first ReadyForQuery, is bounded by the URL's `connect_timeout`
-    /// ([`crate::config::connect_timeout`], 10 s when unset), per host.
+    /// ([`crate::postgres::connect_timeout`], 10 s when unset), per host.
     ///
     /// # Errors
     /// [`Error::Tls`] when TLS is refused where the mode needs it, the handshake or the
@@ -218,7 +173,7 @@ impl ReplicationConnection {
         config: &DatabaseConfig,
         application_name: &str,
     ) -> Result<ReplicationConnection, Error> {
-        let timeout = crate::config::connect_timeout(config);
+        let timeout = crate::postgres::connect_timeout(config);
         let hosts = host_count(config);
         let mut last = None;
         // libpq's multi-host rule: each host in turn (its own connect_timeout), the first
@@ -243,7 +198,7 @@ impl ReplicationConnection {
                 Err(e) => {
                     tracing::warn!(
                         host = %describe_host(config, index),
-                        error = %crate::error::one_line(&e),
+                        error = %crate::report::one_line(&e),
                         "PostgreSQL host skipped; trying the next one of the database URL"
                     );
                     last = Some(e);

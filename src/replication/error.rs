@@ -132,9 +132,9 @@ pub enum Error {
     #[error("scram-sha-256 authentication failed")]
     Scram(#[source] io::Error),
     /// TLS failed or was refused, or `channel_binding=require` could not be met
-    /// ([`crate::postgres_tls`]); definite or not as its `definite` says.
+    /// ([`crate::postgres::tls`]); definite or not as its `definite` says.
     #[error(transparent)]
-    Tls(crate::postgres_tls::TlsError),
+    Tls(crate::postgres::TlsError),
     /// A host of the database URL does not match `target_session_attrs` (a standby when
     /// `read-write` was asked for). Retryable: after a failover a standby is promoted.
     #[error("{0}")]

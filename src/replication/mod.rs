@@ -7,6 +7,7 @@
 pub mod connect;
 pub mod error;
 pub mod session;
+mod socket;
 pub mod stream;
 
 pub use error::{Error, ServerError};

@@ -10,8 +10,8 @@ use bytes::BytesMut;
 use postgres_protocol::message::backend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::replication::connect::{Socket, READ_CHUNK};
 use crate::replication::error::{Error, ServerError};
+use crate::replication::socket::{Socket, READ_CHUNK};
 use crate::replication::stream::{parse_copy_data, ReplicationMessage, StandbyStatusUpdate};
 
 /// The largest length field of a server message in CopyBoth mode, in bytes.

@@ -284,7 +284,7 @@ async fn sslmode_allow_retries_over_tls_when_the_server_refuses_plaintext() {
     let tls = TlsPostgres::shared();
     let config =
         parse_database_url(&tls.url("127.0.0.1", "postgres", "sslmode=allow")).expect("url");
-    let client = pgoutbox::admin::connect(&config)
+    let client = pgoutbox::postgres::connect(&config)
         .await
         .expect("allow, then TLS");
     let row = client
@@ -318,7 +318,7 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         &verify_ca,
     ] {
         let config = parse_database_url(&scram(&tls.pg, query)).expect("url");
-        let client = pgoutbox::admin::connect(&config)
+        let client = pgoutbox::postgres::connect(&config)
             .await
             .unwrap_or_else(|e| panic!("{query}: {e}"));
         let row = client
@@ -345,9 +345,11 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         shared.url_as("pw_scram", "pw_scram", "postgres")
     );
     let config = parse_database_url(&url).expect("url");
-    let e = pgoutbox::admin::connect(&config)
-        .await
-        .expect_err("no TLS, no binding");
+    let e = pgoutbox::error::Error::from(
+        pgoutbox::postgres::connect(&config)
+            .await
+            .expect_err("no TLS, no binding"),
+    );
     let text = e.to_string();
     println!("sql: {text}");
     assert!(
@@ -380,9 +382,11 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
             .contains("answered the SSLRequest with N: ssl = off"),
         "{e}"
     );
-    let e = pgoutbox::admin::connect(&config)
-        .await
-        .expect_err("ssl = off");
+    let e = pgoutbox::error::Error::from(
+        pgoutbox::postgres::connect(&config)
+            .await
+            .expect_err("ssl = off"),
+    );
     assert!(
         e.to_string()
             .contains("answered the SSLRequest with N: ssl = off")

@@ -1,0 +1,528 @@
+//! The command line (clap): the subcommands and their options. Every setting is a flag that
+//! also reads a `PGOUTBOX_*` environment variable; `run` and `check` also read a
+//! `--config` file ([`crate::config_file`]), whose keys are derived from these flags.
+//!
+//! The edge of the program: nothing in the library imports this module. `run`'s options,
+//! grouped by concern, and the building of its validated settings are [`run`]; the
+//! generated reference of every setting (flag, variable, file key, default, doc) is
+//! [`reference`].
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{
+    Retention, DEAD_LETTER_AGE_CAP, DEAD_LETTER_LIST_CAP, DEFAULT_PUBLICATION,
+    DEFAULT_RETENTION_BATCH, DEFAULT_SLOT, RETENTION_BATCH_CAP,
+};
+use crate::secrets::{Secret, Sources, Target};
+
+pub mod reference;
+pub mod run;
+
+pub use run::{RunArgs, NOT_FILE_KEYS};
+
+/// pgoutbox: stream transactional outbox messages from PostgreSQL's WAL to RabbitMQ.
+#[derive(Debug, Parser)]
+#[command(name = "pgoutbox", version, about)]
+pub struct Cli {
+    /// How log lines on stderr are written: text for a terminal, json for a log shipper
+    /// (one JSON object per line, the exit report included).
+    #[arg(long, global = true, env = "PGOUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The format of what pgoutbox writes to stderr (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (tracing-subscriber's default format).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
+    /// event's fields (`slot`, `lsn`, `message_id`, `attempt`, `reason`, ...).
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Install sql/outbox.sql, create the publication and the pgoutput slot (idempotent).
+    Setup(SetupArgs),
+    /// Stream outbox messages to RabbitMQ until SIGINT/SIGTERM.
+    Run(RunArgs),
+    /// Check what `run` needs (settings, both servers, slot, publication, exchange)
+    /// without changing anything; exits 1 if `run` would stop, with the fix.
+    Check(RunArgs),
+    /// Show the slot's health (lag, retained WAL, waiting messages, dead letters); exit 0
+    /// healthy, 1 warning, 2 critical.
+    Status(StatusArgs),
+    /// List the outbox messages waiting in the slot without consuming them (only while no
+    /// streamer holds it).
+    Peek(PeekArgs),
+    /// Drop the slot and the publication.
+    Teardown(TeardownArgs),
+    /// Delete expired idempotency keys, journal rows and inbox records once (for cron);
+    /// exit 0 when every step ran or was skipped, 1 when one failed, 2 for bad arguments.
+    Maintenance(MaintenanceArgs),
+    /// Print the delivery journal's entries for a message id (`run --journal`), oldest
+    /// first; exit 0 when there is at least one, 1 when none.
+    Journal(JournalArgs),
+    /// Inspect, requeue or purge messages in outbox.dead_letter.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+}
+
+/// `maintenance` arguments.
+#[derive(Debug, Args)]
+pub struct MaintenanceArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Delete outbox.idempotency keys older than this: a duration such as 7d, 12h, 30m,
+    /// or 0 to keep them all.
+    #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", default_value = "7d", value_parser = parse_idempotency_retention)]
+    pub idempotency_retention: Retention,
+    /// Delete outbox.journal rows confirmed longer ago than this (7d, 12h, 30m; 0 keeps them).
+    #[arg(long, env = "PGOUTBOX_JOURNAL_RETENTION", default_value = "7d", value_parser = parse_journal_retention)]
+    pub journal_retention: Retention,
+    /// Delete outbox.inbox records received longer ago than this, through
+    /// outbox.inbox_purge (sql/inbox.sql; skipped when it is not installed); 0 keeps them.
+    #[arg(long, env = "PGOUTBOX_INBOX_RETENTION", default_value = "7d", value_parser = parse_inbox_retention)]
+    pub inbox_retention: Retention,
+    /// Rows deleted per statement (1 to 100000).
+    #[arg(long, default_value_t = DEFAULT_RETENTION_BATCH, value_parser = parse_batch_size)]
+    pub batch_size: u32,
+}
+
+/// `journal` arguments.
+#[derive(Debug, Args)]
+pub struct JournalArgs {
+    /// The message id (as in the AMQP message_id property).
+    pub message_id: String,
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Print one JSON array instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn retention_arg(setting: &'static str, text: &str) -> Result<Retention, String> {
+    Retention::parse(setting, text).map_err(|e| e.rule)
+}
+
+pub(crate) fn parse_idempotency_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--idempotency-retention", text)
+}
+
+pub(crate) fn parse_journal_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--journal-retention", text)
+}
+
+fn parse_inbox_retention(text: &str) -> Result<Retention, String> {
+    retention_arg("--inbox-retention", text)
+}
+
+fn parse_batch_size(text: &str) -> Result<u32, String> {
+    let n: u32 = parse_whole_number(text)?;
+    if !(1..=RETENTION_BATCH_CAP).contains(&n) {
+        return Err(format!(
+            "{n} is out of range: write 1 to {RETENTION_BATCH_CAP} rows"
+        ));
+    }
+    Ok(n)
+}
+
+/// `dead-letters` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List dead letters (not yet requeued, unless --all), oldest first.
+    List(DeadLetterListArgs),
+    /// Re-emit dead letters through the normal path, with their original message_id.
+    Requeue(DeadLetterSelectArgs),
+    /// Delete dead letters.
+    Purge(DeadLetterPurgeArgs),
+}
+
+/// The database for dead-letter commands.
+#[derive(Debug, Args)]
+pub struct DeadLetterDb {
+    /// The connection string and where it comes from.
+    #[command(flatten)]
+    pub url: PgUrlArgs,
+    /// The outbox's schema (its dead_letter table).
+    #[arg(long, env = "PGOUTBOX_SCHEMA", default_value = crate::outbox_schema::DEFAULT_SCHEMA)]
+    pub schema: String,
+}
+
+impl DeadLetterDb {
+    /// The validated `--schema`.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming `--schema`.
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+        crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
+    }
+}
+
+/// The PostgreSQL connection string: given, or read from a file, with the password perhaps
+/// from a file of its own (see [`crate::secrets`]).
+#[derive(Debug, Clone, Args)]
+pub struct PgUrlArgs {
+    /// PostgreSQL connection URL (postgres://user:password@host:port/db) or keyword/value
+    /// string; a host that is a directory means a Unix socket. A password here is visible
+    /// in the process list: prefer the variable or a file.
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<Secret>,
+    /// A file holding the connection string (a container secret); a trailing newline is
+    /// dropped. Instead of --database-url.
+    #[arg(long, env = "PGOUTBOX_DATABASE_URL_FILE")]
+    pub database_url_file: Option<PathBuf>,
+    /// A file holding the password alone, put into the connection string (which must then
+    /// have none).
+    #[arg(long, env = "PGOUTBOX_DATABASE_PASSWORD_FILE")]
+    pub database_password_file: Option<PathBuf>,
+}
+
+impl PgUrlArgs {
+    /// The connection string, put together from its sources.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] from [`crate::secrets::resolve`].
+    pub fn resolve(&self) -> Result<String, crate::config::ValidationError> {
+        crate::secrets::resolve(
+            Target::Postgres,
+            &Sources {
+                url: self.database_url.clone(),
+                url_file: self.database_url_file.clone(),
+                password_file: self.database_password_file.clone(),
+            },
+        )
+    }
+
+    /// The connection string, parsed (as [`crate::config::parse_database_url`]).
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`].
+    pub fn config(&self) -> Result<crate::config::DatabaseConfig, crate::config::ValidationError> {
+        crate::config::parse_database_url(&self.resolve()?)
+    }
+}
+
+/// `dead-letters list` arguments.
+#[derive(Debug, Args)]
+pub struct DeadLetterListArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Include requeued rows.
+    #[arg(long)]
+    pub all: bool,
+    /// At most this many rows (1 to 1000000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=DEAD_LETTER_LIST_CAP))]
+    pub limit: i64,
+    /// Print JSON (one array).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `dead-letters requeue` arguments: `--id` (repeatable) or `--all`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["id", "all"])))]
+pub struct DeadLetterSelectArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Row id (repeatable). Each must exist and not be requeued yet, or nothing is requeued.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub id: Vec<i64>,
+    /// Every row not yet requeued.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// `dead-letters purge` arguments: `--id`, `--older-than` or `--all`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["id", "older_than", "all"])))]
+pub struct DeadLetterPurgeArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DeadLetterDb,
+    /// Row id (repeatable).
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    pub id: Vec<i64>,
+    /// Rows dead-lettered longer ago than this: a whole number with unit s, m, h or d
+    /// (e.g. 7d), at most 36500d.
+    #[arg(long, value_parser = parse_age_secs)]
+    pub older_than: Option<i64>,
+    /// Every row.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// Parses `30s`, `15m`, `12h`, `7d` into seconds, at most [`DEAD_LETTER_AGE_CAP`].
+///
+/// Never slices the text at a byte index: the unit is matched as a suffix, so any
+/// character (`7é`, `30日`) is an error, not a panic.
+///
+/// # Errors
+/// A message naming the value and the accepted form (clap adds the flag).
+pub fn parse_age_secs(text: &str) -> Result<i64, String> {
+    let bad = |why: &str| {
+        format!(
+            "{text:?} {why}: write a whole number with unit s, m, h or d (e.g. 7d), at most {}d",
+            DEAD_LETTER_AGE_CAP.as_secs() / 86_400
+        )
+    };
+    let (num, mult) = [("s", 1u64), ("m", 60), ("h", 3600), ("d", 86_400)]
+        .into_iter()
+        .find_map(|(unit, mult)| text.strip_suffix(unit).map(|num| (num, mult)))
+        .ok_or_else(|| bad("has no unit"))?;
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad("is not a whole number"));
+    }
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|secs| *secs <= DEAD_LETTER_AGE_CAP.as_secs())
+        .and_then(|secs| i64::try_from(secs).ok())
+        .ok_or_else(|| bad("is too long"))
+}
+
+/// Parses a whole number (ASCII digits only) for a numeric `run` option. The option's
+/// range is checked by [`crate::config::RunSettings::validate`], which names the setting, its environment
+/// variable and the bounds.
+///
+/// # Errors
+/// A message naming the value and the accepted form (clap adds the flag).
+pub fn parse_whole_number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "{text:?} is not a whole number: write digits only (no sign, unit, decimal point or separator); the range is in --help"
+        ));
+    }
+    text.parse()
+        .map_err(|_| format!("{text:?} is far too large; the range is in --help"))
+}
+
+/// Connection to Postgres and the slot's name.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// The connection string and where it comes from.
+    #[command(flatten)]
+    pub url: PgUrlArgs,
+    /// Logical replication slot name.
+    #[arg(long, env = "PGOUTBOX_SLOT", default_value = DEFAULT_SLOT)]
+    pub slot: String,
+    /// The outbox's schema: its producer helpers, dead letters, stream state and prefix
+    /// setting live there. Several outboxes can share a database, each with its own schema,
+    /// prefix, slot and publication (1 to 63 of a-z, 0-9, _).
+    #[arg(long, env = "PGOUTBOX_SCHEMA", default_value = crate::outbox_schema::DEFAULT_SCHEMA)]
+    pub schema: String,
+}
+
+impl DbArgs {
+    /// The validated `--schema`.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming `--schema`.
+    pub fn schema(
+        &self,
+    ) -> Result<crate::outbox_schema::SchemaName, crate::config::ValidationError> {
+        crate::outbox_schema::SchemaName::parse("--schema", &self.schema)
+    }
+}
+
+/// `setup` arguments.
+#[derive(Debug, Args)]
+pub struct SetupArgs {
+    /// Database and slot.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Publication name (created empty: logical messages need no tables).
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// The logical-message prefix the schema's helpers write, stored in its settings table
+    /// for `run` (1 to 255 of A-Za-z0-9._:-). Default: the stored one, else pgoutbox for
+    /// schema outbox; another schema must name its own on first setup.
+    #[arg(long, env = "PGOUTBOX_PREFIX")]
+    pub prefix: Option<String>,
+    /// Also lock the database down (sql/lockdown.sql, needs a superuser): revoke EXECUTE on
+    /// pg_logical_emit_message from PUBLIC, so outbox.emit/emit_bytes (SECURITY DEFINER,
+    /// owned by the NOLOGIN role pgoutbox_emitter) are the only way to write an outbox
+    /// message; later messages not written by them are dead-lettered as forged.
+    #[arg(long, conflicts_with = "unlock")]
+    pub lockdown: bool,
+    /// Undo --lockdown (sql/unlock.sql, needs a superuser): GRANT EXECUTE on
+    /// pg_logical_emit_message back to PUBLIC, helpers SECURITY INVOKER again.
+    #[arg(long)]
+    pub unlock: bool,
+    /// Create the slot as a failover slot (PostgreSQL 17+): physical standbys with
+    /// sync_replication_slots = on keep a synced copy that survives a promotion. Refused,
+    /// with the alternative, on older servers.
+    #[arg(long, env = "PGOUTBOX_FAILOVER")]
+    pub failover: bool,
+    /// Also create the least-privilege roles of sql/roles.sql (idempotent; needs a
+    /// superuser): the streamer role (LOGIN REPLICATION, and the grants `run` needs in this
+    /// database) and the producer role (NOLOGIN: EXECUTE on outbox.emit and
+    /// outbox.emit_bytes). No password is set: use ALTER ROLE ... PASSWORD, or certificates.
+    #[arg(long)]
+    pub create_roles: bool,
+    /// Name of the streamer role for --create-roles.
+    #[arg(long, env = "PGOUTBOX_STREAMER_ROLE", default_value = crate::admin::DEFAULT_STREAMER_ROLE)]
+    pub streamer_role: String,
+    /// Name of the producer role for --create-roles.
+    #[arg(long, env = "PGOUTBOX_PRODUCER_ROLE", default_value = crate::admin::DEFAULT_PRODUCER_ROLE)]
+    pub producer_role: String,
+}
+
+/// Default `--warn-lag-bytes`: 1 GiB of WAL behind the current position.
+pub const DEFAULT_WARN_LAG_BYTES: u64 = 1 << 30;
+
+/// Default `--crit-lag-bytes`: 8 GiB, a day of a busy outbox, and well inside the disk of a
+/// server that keeps WAL for a stopped streamer.
+pub const DEFAULT_CRIT_LAG_BYTES: u64 = 8 << 30;
+
+/// `status` arguments.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Database and slot.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Publication name (a missing one is critical: `run` refuses to start).
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// Lag (bytes of WAL behind the current position) above which status warns (exit 1).
+    #[arg(long, env = "PGOUTBOX_WARN_LAG_BYTES", default_value_t = DEFAULT_WARN_LAG_BYTES, value_parser = parse_whole_number::<u64>)]
+    pub warn_lag_bytes: u64,
+    /// Lag above which status is critical (exit 2); at least --warn-lag-bytes.
+    #[arg(long, env = "PGOUTBOX_CRIT_LAG_BYTES", default_value_t = DEFAULT_CRIT_LAG_BYTES, value_parser = parse_whole_number::<u64>)]
+    pub crit_lag_bytes: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `peek` arguments.
+#[derive(Debug, Args)]
+pub struct PeekArgs {
+    /// Database and slot.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Publication name (pgoutput needs one to decode).
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// At most this many messages (1 to 10000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub limit: i64,
+    /// Show the payloads too (as UTF-8 text; they may hold personal data).
+    #[arg(long)]
+    pub payload: bool,
+    /// Print JSON (one object with a `messages` array).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `teardown` arguments.
+#[derive(Debug, Args)]
+pub struct TeardownArgs {
+    /// Database and slot.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Publication name.
+    #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
+    pub publication: String,
+    /// Drop the slot even if it still holds unsent outbox messages (they are lost).
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn ages_parse_without_slicing_inside_a_character() {
+        assert_eq!(parse_age_secs("0s"), Ok(0));
+        assert_eq!(parse_age_secs("90s"), Ok(90));
+        assert_eq!(parse_age_secs("15m"), Ok(900));
+        assert_eq!(parse_age_secs("12h"), Ok(43_200));
+        assert_eq!(parse_age_secs("7d"), Ok(604_800));
+        assert_eq!(parse_age_secs("36500d"), Ok(36_500 * 86_400));
+        for bad in [
+            "7é",
+            "30日",
+            "é",
+            "日",
+            "",
+            "d",
+            "5",
+            "-5d",
+            "+5d",
+            " 5d",
+            "5 d",
+            "5D",
+            "1.5h",
+            "٣d",
+            "7dé",
+            "36501d",
+            "3153600001s",
+            "99999999999999999999999d",
+        ] {
+            let e = parse_age_secs(bad).unwrap_err();
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("unit s, m, h or d"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn whole_numbers_take_digits_only() {
+        assert_eq!(parse_whole_number::<u64>("0"), Ok(0));
+        assert_eq!(
+            parse_whole_number::<u64>("18446744073709551615"),
+            Ok(u64::MAX)
+        );
+        for bad in ["", "-1", "+1", "1e3", "1_000", "1,000", " 1", "1.0", "١"] {
+            let e = parse_whole_number::<u64>(bad).unwrap_err();
+            assert!(e.contains("not a whole number"), "{bad:?}: {e}");
+        }
+        let e = parse_whole_number::<u32>("4294967296").unwrap_err();
+        assert!(e.contains("far too large"), "{e}");
+    }
+
+    #[test]
+    fn dead_letter_selections_are_bounded() {
+        let parse = |args: &[&str]| {
+            let mut full = vec!["pgoutbox", "dead-letters"];
+            full.extend_from_slice(args);
+            full.extend_from_slice(&["--database-url", "postgres://u@h/db"]);
+            Cli::try_parse_from(full)
+        };
+        assert!(parse(&["list", "--limit", "1000000"]).is_ok());
+        for limit in ["0", "-1", "1000001", "x"] {
+            let e = parse(&["list", &format!("--limit={limit}")]).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            assert!(e.to_string().contains("--limit"), "{e}");
+        }
+        for sub in ["requeue", "purge"] {
+            assert!(parse(&[sub, "--id", "1"]).is_ok());
+            for id in ["0", "-3"] {
+                let e = parse(&[sub, &format!("--id={id}")]).unwrap_err();
+                assert!(e.to_string().contains("--id"), "{sub} {id}: {e}");
+            }
+        }
+        let e = parse(&["purge", "--older-than", "30日"]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("invalid value '30日' for '--older-than <OLDER_THAN>'"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Where and how `run` publishes: the broker's nodes and the order they are tried in, the
+//! exchange, which exchanges producers may name, and whether exchanges are declared.
+//!
+//! The URLs are kept as text: the publisher ([`crate::publisher`]) parses them when it
+//! connects. So that a malformed URL is a usage error at start and not a connect failure
+//! retried for ever, [`BrokerSettings::validate`] runs the publisher's own parser, handed in
+//! by the edge that builds the settings (the settings do not import a transport).
+
+use crate::redaction::redact_url;
+use crate::validation::ValidationError;
+
+pub use crate::routing::AllowedExchanges;
+
+/// Default exchange (durable topic).
+pub const DEFAULT_EXCHANGE: &str = "pgoutbox";
+
+/// The broker URL parser the edge hands to [`BrokerSettings::validate`]: `Err` carries why
+/// the URL cannot be used (the publisher's `Endpoint::parse`).
+pub type UrlCheck<'a> = &'a dyn Fn(&str) -> Result<(), String>;
+
+/// Where `run` publishes (`--amqp-url`, `--amqp-url-order`, `--exchange`,
+/// `--allowed-exchanges`, `--no-declare`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct BrokerSettings {
+    /// `amqp://` or `amqps://` URLs of the broker's nodes (TLS parameters in each query),
+    /// at least one, as given (see [`split_amqp_urls`]); [`BrokerSettings::amqp_url_order`]
+    /// says in which order they are tried.
+    pub amqp_urls: Vec<String>,
+    /// The order the nodes of `amqp_urls` are tried in (`--amqp-url-order`).
+    pub amqp_url_order: AmqpUrlOrder,
+    /// Durable topic exchange messages are published to when their producer named none.
+    pub exchange: String,
+    /// Which other exchanges producers may name (`--allowed-exchanges`).
+    pub allowed_exchanges: AllowedExchanges,
+    /// Declare exchanges, or only check them (`--no-declare`).
+    pub exchange_declare: ExchangeDeclare,
+}
+
+/// The URLs with their passwords masked.
+impl std::fmt::Debug for BrokerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerSettings")
+            .field(
+                "amqp_urls",
+                &self
+                    .amqp_urls
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
+            .field("amqp_url_order", &self.amqp_url_order)
+            .field("exchange", &self.exchange)
+            .field("allowed_exchanges", &self.allowed_exchanges)
+            .field("exchange_declare", &self.exchange_declare)
+            .finish()
+    }
+}
+
+impl BrokerSettings {
+    /// Checks the URLs (with `url_check`, the publisher's parser) and the exchange name.
+    ///
+    /// # Errors
+    /// [`ValidationError`] for `--amqp-url` ([`validate_amqp_urls`]) or `--exchange` (1 to
+    /// 255 bytes).
+    pub fn validate(&self, url_check: UrlCheck<'_>) -> Result<(), ValidationError> {
+        validate_amqp_urls(&self.amqp_urls, url_check)?;
+        if self.exchange.is_empty() || self.exchange.len() > 255 {
+            return Err(ValidationError {
+                setting: "--exchange",
+                value: self.exchange.clone(),
+                rule: "use 1 to 255 bytes (the default exchange \"\" cannot be declared)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How `run` makes sure an exchange exists before publishing to it: `--exchange` at
+/// connect, and each exchange a producer names on its first use on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExchangeDeclare {
+    /// `exchange.declare` durable topic: created when absent (the default).
+    #[default]
+    DurableTopic,
+    /// `--no-declare`: a passive `exchange.declare`, which only checks that it exists.
+    /// A missing `--exchange` stops `run`; a missing producer-named exchange dead-letters
+    /// the message as `exchange_not_found`.
+    Passive,
+}
+
+/// The order in which the nodes named by `--amqp-url` are tried (`--amqp-url-order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AmqpUrlOrder {
+    /// As given: the first pass starts at the first URL.
+    #[default]
+    InOrder,
+    /// Shuffled once when `run` starts, so several streamers spread over the nodes; the
+    /// shuffled order is then kept like an order given.
+    Shuffle,
+}
+
+/// Splits `--amqp-url` values into one URL per node: each value may itself be a
+/// comma-separated list (`PGOUTBOX_AMQP_URL=amqp://a,amqp://b`). A comma splits only where
+/// `amqp://` or `amqps://` follows it, so a comma inside a URL (a password, a query) is
+/// kept. Blanks around each URL are trimmed and empty pieces dropped.
+pub fn split_amqp_urls<S: AsRef<str>>(values: &[S]) -> Vec<String> {
+    let mut out = Vec::new();
+    for value in values {
+        let value = value.as_ref();
+        let mut current = String::new();
+        for (i, piece) in value.split(',').enumerate() {
+            let trimmed = piece.trim_start();
+            let starts_node = trimmed.starts_with("amqp://") || trimmed.starts_with("amqps://");
+            if i > 0 && !starts_node {
+                current.push(',');
+                current.push_str(piece);
+                continue;
+            }
+            push_url(&mut out, &current);
+            current = piece.to_owned();
+        }
+        push_url(&mut out, &current);
+    }
+    out
+}
+
+/// Pushes one URL of [`split_amqp_urls`], without surrounding blanks or trailing commas
+/// (`amqp://a,` ends a list), unless nothing is left.
+fn push_url(out: &mut Vec<String>, piece: &str) {
+    let url = piece.trim().trim_end_matches(',').trim_end();
+    if !url.is_empty() {
+        out.push(url.to_owned());
+    }
+}
+
+/// The nodes in the order `run` tries them: `urls` as given for
+/// [`AmqpUrlOrder::InOrder`], shuffled with `seed` for [`AmqpUrlOrder::Shuffle`] (the
+/// caller passes a random seed; a fixed one makes the order reproducible in tests).
+pub fn order_amqp_urls(urls: &[String], order: AmqpUrlOrder, seed: u64) -> Vec<String> {
+    let mut urls = urls.to_vec();
+    if order == AmqpUrlOrder::Shuffle {
+        fastrand::Rng::with_seed(seed).shuffle(&mut urls);
+    }
+    urls
+}
+
+/// Validates every `--amqp-url` (at least one, each `amqp://` or `amqps://` and parsed as
+/// the publisher will parse it (`url_check`), TLS parameters included, so a malformed URL is a usage
+/// error at start, not a connect failure retried for ever; the TLS files are read when
+/// connecting).
+///
+/// # Errors
+/// [`ValidationError`] for `--amqp-url` naming the (redacted) URL at fault, and which of
+/// several it is.
+pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<(), ValidationError> {
+    if urls.is_empty() {
+        return Err(ValidationError {
+            setting: "--amqp-url",
+            value: String::new(),
+            rule: "give at least one amqp://user:password@host:port/vhost (repeat --amqp-url, or separate URLs with commas, for the nodes of a cluster)".into(),
+        });
+    }
+    for (i, url) in urls.iter().enumerate() {
+        let which = if urls.len() > 1 {
+            format!(" (URL {} of {})", i + 1, urls.len())
+        } else {
+            String::new()
+        };
+        if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: format!("{}{which}", redact_url(url)),
+                rule: "expected amqp://user:password@host:port/vhost".into(),
+            });
+        }
+        if let Err(rule) = url_check(url) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: format!("{}{which}", redact_url(url)),
+                rule,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amqp_url_lists_split_on_commas_before_a_scheme_only() {
+        let one = |v: &str| split_amqp_urls(&[v]);
+        assert_eq!(one("amqp://a"), ["amqp://a"]);
+        assert_eq!(
+            one("amqp://a:1/%2f,amqps://b:2/%2f, amqp://c:3/%2f"),
+            ["amqp://a:1/%2f", "amqps://b:2/%2f", "amqp://c:3/%2f"]
+        );
+        // A comma inside a password or a query stays in its URL.
+        assert_eq!(
+            one("amqp://u:p,w@a/%2f?heartbeat=5,amqp://u:x@b/%2f"),
+            ["amqp://u:p,w@a/%2f?heartbeat=5", "amqp://u:x@b/%2f"]
+        );
+        // Repeated flags and lists mix; empty pieces are dropped.
+        assert_eq!(
+            split_amqp_urls(&["amqp://a,", " ", "amqp://b,amqp://c"]),
+            ["amqp://a", "amqp://b", "amqp://c"]
+        );
+        assert!(split_amqp_urls::<&str>(&[]).is_empty());
+        // Something that is not a URL is kept as one piece, so validation names it.
+        assert_eq!(one("rabbit1,rabbit2"), ["rabbit1,rabbit2"]);
+    }
+
+    #[test]
+    fn amqp_url_order_keeps_or_shuffles_every_node() {
+        let urls: Vec<String> = (1..=5).map(|i| format!("amqp://n{i}")).collect();
+        assert_eq!(order_amqp_urls(&urls, AmqpUrlOrder::InOrder, 7), urls);
+        let shuffled = order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7);
+        assert_eq!(shuffled, order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7));
+        let mut sorted = shuffled.clone();
+        sorted.sort();
+        assert_eq!(sorted, urls, "a shuffle keeps every node once");
+        // Over a few seeds every node comes first at least once.
+        let firsts: std::collections::HashSet<String> = (0..64)
+            .map(|seed| order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, seed)[0].clone())
+            .collect();
+        assert_eq!(firsts.len(), urls.len());
+    }
+
+    #[test]
+    fn every_amqp_url_is_checked_and_named_without_its_password() {
+        let check = |url: &str| {
+            if url.contains("99999999") {
+                Err("invalid port number".to_owned())
+            } else {
+                Ok(())
+            }
+        };
+        let e = validate_amqp_urls(&[], &check).unwrap_err();
+        assert_eq!(e.setting, "--amqp-url");
+        assert!(e.to_string().contains("at least one"), "{e}");
+        let urls = [
+            "amqp://g:g@a/%2f".to_owned(),
+            "amqp://g:secret@b:99999999/%2f".to_owned(),
+        ];
+        let e = validate_amqp_urls(&urls, &check).unwrap_err().to_string();
+        assert!(
+            e.contains("URL 2 of 2") && e.contains("invalid port number") && !e.contains("secret"),
+            "{e}"
+        );
+        let urls = ["amqp://g:g@a/%2f".to_owned(), "http://b".to_owned()];
+        let e = validate_amqp_urls(&urls, &check).unwrap_err().to_string();
+        assert!(
+            e.contains("URL 2 of 2") && e.contains("expected amqp://"),
+            "{e}"
+        );
+        let urls = [
+            "amqp://g:g@a/%2f".to_owned(),
+            "amqps://g:g@b/%2f".to_owned(),
+        ];
+        assert!(validate_amqp_urls(&urls, &check).is_ok());
+    }
+}

@@ -1,0 +1,159 @@
+//! The counters of `run` (`*_total`): publishes, confirms, nacks, returns, retries, dead
+//! letters by reason, reconnects by cause, sessions, journal rows, retention deletes. The
+//! loop's own totals are synced once per turn ([`Counters::sync_turn`]); the rest count
+//! events as they happen.
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+use super::*;
+
+/// A counter with one label.
+type Labelled = Family<[(&'static str, &'static str); 1], Counter>;
+
+/// Registers under the name without the suffix the encoder appends (`_total`, `_info`).
+pub(super) fn base_name<'a>(name: &'a str, suffix: &str) -> &'a str {
+    name.strip_suffix(suffix).unwrap_or(name)
+}
+
+/// Every counter; clones share the values.
+#[derive(Debug, Default)]
+pub struct Counters {
+    published: Counter,
+    confirmed: Counter,
+    nacked: Counter,
+    returned: Counter,
+    retried: Counter,
+    dead_lettered: Labelled,
+    reconnects: Labelled,
+    sessions: Counter,
+    journal_written: Counter,
+    journal_dropped: Labelled,
+    retention_deleted: Labelled,
+}
+
+impl Counters {
+    /// Registers every counter in `registry` (with the label values that must show as 0
+    /// before their first event).
+    pub fn register(&self, registry: &mut Registry) {
+        let total = |n| base_name(n, "_total");
+        registry.register(
+            total(MESSAGES_PUBLISHED_TOTAL),
+            "Publishes made (every attempt: first publishes, retries, re-sends after a reconnect)",
+            self.published.clone(),
+        );
+        registry.register(
+            total(MESSAGES_CONFIRMED_TOTAL),
+            "Messages confirmed by the broker as routed",
+            self.confirmed.clone(),
+        );
+        registry.register(
+            total(MESSAGES_NACKED_TOTAL),
+            "Publishes nacked by the broker",
+            self.nacked.clone(),
+        );
+        registry.register(
+            total(MESSAGES_RETURNED_TOTAL),
+            "Publishes returned as unroutable",
+            self.returned.clone(),
+        );
+        registry.register(
+            total(MESSAGES_DEAD_LETTERED_TOTAL),
+            "Messages written to outbox.dead_letter, by reason",
+            self.dead_lettered.clone(),
+        );
+        registry.register(
+            total(MESSAGES_RETRIED_TOTAL),
+            "Publishes that retried a nacked or returned message",
+            self.retried.clone(),
+        );
+        registry.register(
+            total(RECONNECTS_TOTAL),
+            "Sessions ended by a retryable failure, by cause",
+            self.reconnects.clone(),
+        );
+        registry.register(
+            total(SESSIONS_STARTED_TOTAL),
+            "Sessions that started streaming",
+            self.sessions.clone(),
+        );
+        registry.register(
+            total(JOURNAL_ROWS_WRITTEN_TOTAL),
+            "Rows written to outbox.journal (run --journal)",
+            self.journal_written.clone(),
+        );
+        for reason in ["buffer_full", "write_failed"] {
+            let _ = self.journal_dropped.get_or_create(&[("reason", reason)]);
+        }
+        registry.register(
+            total(JOURNAL_ROWS_DROPPED_TOTAL),
+            "Journal rows dropped (never written), by reason",
+            self.journal_dropped.clone(),
+        );
+        registry.register(
+            total(RETENTION_ROWS_DELETED_TOTAL),
+            "Rows deleted by the retention task, by table",
+            self.retention_deleted.clone(),
+        );
+    }
+
+    /// The loop's process-wide totals of one turn: each counter moves up to its total.
+    pub fn sync_turn(&self, turn: &Turn) {
+        fn sync(c: &Counter, total: u64) {
+            let cur = c.get();
+            if total > cur {
+                c.inc_by(total - cur);
+            }
+        }
+        sync(&self.published, turn.published);
+        sync(&self.retried, turn.retried);
+        sync(&self.confirmed, turn.confirmed);
+    }
+
+    /// A session started streaming.
+    pub fn session_started(&self) {
+        self.sessions.inc();
+    }
+
+    /// A session ended with a retryable failure of `cause`.
+    pub fn reconnect(&self, cause: &'static str) {
+        self.reconnects.get_or_create(&[("cause", cause)]).inc();
+    }
+
+    /// `rows` journal rows were written.
+    pub fn journal_written(&self, rows: u64) {
+        self.journal_written.inc_by(rows);
+    }
+
+    /// `rows` journal rows were dropped for `reason`.
+    pub fn journal_dropped(&self, reason: &'static str, rows: u64) {
+        self.journal_dropped
+            .get_or_create(&[("reason", reason)])
+            .inc_by(rows);
+    }
+
+    /// The retention task deleted `rows` rows of `table`.
+    pub fn retention_deleted(&self, table: &'static str, rows: u64) {
+        self.retention_deleted
+            .get_or_create(&[("table", table)])
+            .inc_by(rows);
+    }
+
+    /// A publish was nacked.
+    pub fn nacked(&self) {
+        self.nacked.inc();
+    }
+
+    /// A publish was returned.
+    pub fn returned(&self) {
+        self.returned.inc();
+    }
+
+    /// A message was dead-lettered for `reason`.
+    pub fn dead_lettered(&self, reason: &'static str) {
+        self.dead_lettered
+            .get_or_create(&[("reason", reason)])
+            .inc();
+    }
+}
