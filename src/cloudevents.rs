@@ -128,13 +128,6 @@ impl TryFrom<String> for Prefix {
     }
 }
 
-impl<'de> serde::Deserialize<'de> for Prefix {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
 /// The CloudEvents settings of `run --cloudevents`: the `source` of every event and the
 /// property prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,8 +16,7 @@ use crate::validation::ValidationError;
 
 /// A connection string that may carry a password: `Debug` shows it redacted
 /// ([`redact_url`]), so a derived `Debug` of the CLI structs never prints it.
-#[derive(Clone, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct Secret(pub String);
 
 impl std::fmt::Debug for Secret {

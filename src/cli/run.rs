@@ -261,8 +261,7 @@ pub struct PublishingArgs {
 }
 
 /// What `run` does with a message the broker returns as unroutable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OnUnroutable {
     /// Write it to outbox.dead_letter and go on.
     DeadLetter,
@@ -271,8 +270,7 @@ pub enum OnUnroutable {
 }
 
 /// What `run` puts into each message (see `--publish-properties`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PublishPropertiesArg {
     /// message_id, content_type, persistent, timestamp, the producer's headers and ours
     /// (message LSN, commit LSN, commit time).
@@ -283,8 +281,7 @@ pub enum PublishPropertiesArg {
 }
 
 /// `--amqp-url-order`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AmqpUrlOrderArg {
     /// As given.
     InOrder,
@@ -308,7 +305,7 @@ fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
 }
 
 /// Parses `--maintenance-interval` (a humantime duration; its range is checked by
-/// `RunConfig::validate`).
+/// [`RunSettings::validate`]).
 pub fn parse_maintenance_interval(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text.trim())
         .map_err(|e| format!("{e}: write a duration from 1s to 1d, such as 5m"))

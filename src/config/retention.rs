@@ -43,8 +43,7 @@ pub const RETENTION_BATCH_CAP: u32 = 100_000;
 /// How long rows are kept before retention deletes them (`--idempotency-retention`,
 /// `--journal-retention`, `--inbox-retention`): a duration in humantime's syntax (`7d`,
 /// `12h`, `30m`, `1h 30m`), or `0` for off (nothing is deleted).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(try_from = "String")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention(Option<Duration>);
 
 impl Retention {
@@ -103,14 +102,6 @@ impl std::str::FromStr for Retention {
     type Err = ValidationError;
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         Retention::parse("retention", text)
-    }
-}
-
-/// For the config file, whose error names the key: the rule alone.
-impl TryFrom<String> for Retention {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, Self::Error> {
-        Retention::parse("retention", &text).map_err(|e| e.rule)
     }
 }
 

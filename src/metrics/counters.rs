@@ -7,7 +7,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use super::*;
+use super::{
+    Turn, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL, MESSAGES_CONFIRMED_TOTAL,
+    MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL, MESSAGES_PUBLISHED_TOTAL,
+    MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
+    RETENTION_ROWS_DELETED_TOTAL, SESSIONS_STARTED_TOTAL,
+};
 
 /// A counter with one label.
 type Labelled = Family<[(&'static str, &'static str); 1], Counter>;

@@ -9,7 +9,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::*;
+use super::{
+    Probe, Role, Turn, BROKER_BLOCKED, FLUSH_LSN_BYTES, OLDEST_UNCONFIRMED_AGE_SECONDS,
+    RECEIVED_LSN_BYTES, REPLICATION_LAG_BYTES, ROLE, SERVER_WAL_END_BYTES,
+    SINCE_STATUS_UPDATE_SECONDS, STALLED, UNACKNOWLEDGED_BYTES, UNACKNOWLEDGED_MESSAGES,
+    UNCONFIRMED_MESSAGES,
+};
 
 fn as_gauge(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
