@@ -29,6 +29,8 @@ pub mod config_file;
 pub mod envelope;
 pub mod error;
 pub mod inbox;
+#[cfg(test)]
+mod item_length;
 pub mod lockdown;
 pub mod lsn;
 pub mod metrics;
