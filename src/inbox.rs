@@ -83,8 +83,8 @@ pub const DEFAULT_PREFETCH: u16 = 32;
 pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 
 /// The header carrying the producer's tenant (`outbox.emit(..., tenant => ...)`): the one
-/// the streamer sets, [`crate::pipeline::HEADER_TENANT`].
-pub const TENANT_HEADER: &str = crate::pipeline::HEADER_TENANT;
+/// the streamer sets, [`crate::contract::HEADER_TENANT`].
+pub const TENANT_HEADER: &str = crate::contract::HEADER_TENANT;
 
 /// The header quorum queues add to redelivered messages: how many times the message was
 /// delivered before.

@@ -25,7 +25,23 @@
 use amq_protocol::types::ShortString;
 
 use crate::config::AllowedExchanges;
-use crate::publisher::Exchange;
+
+/// The exchange a message is published to.
+///
+/// The configured one is a variant without data, so the common case allocates nothing per
+/// message; the sink holds its name once. This is the routing decision a
+/// [`crate::sink::Delivery`] carries to every sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exchange {
+    /// The configured exchange (`--exchange`, the AMQP publisher's
+    /// [`crate::publisher::PublisherConfig::exchange`]), declared when the connection
+    /// opened.
+    Configured,
+    /// An exchange the producer named: declared (or, under `--no-declare`, checked) on its
+    /// first use on a connection, before the message is published (see
+    /// [`crate::publisher::exchanges`]).
+    Named(ShortString),
+}
 
 /// Dead-letter reason: the named exchange is not in `--allowed-exchanges`.
 pub const REASON_NOT_ALLOWED: &str = "exchange_not_allowed";

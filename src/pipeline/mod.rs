@@ -51,35 +51,13 @@ mod standby;
 
 pub use driver::run;
 
-/// Header with the message's own LSN (`X/Y`); also the key that matches returns.
-pub const HEADER_LSN: &str = crate::publisher::MATCH_KEY_HEADER;
-/// Header with the LSN of the transaction's commit record (`X/Y`, pgoutput Begin's final
-/// LSN): increases with commit order.
-pub const HEADER_COMMIT_LSN: &str = "x-pgoutbox-commit-lsn";
-/// Header with the commit time, microseconds since the Unix epoch.
-pub const HEADER_COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
-/// Header with the role that emitted the message (the envelope's `emitted_by`, the
-/// `session_user` that called `outbox.emit`), under both `--publish-properties` shapes, on
-/// messages checked under `setup --lockdown` only: there it can be trusted (short of a
-/// superuser); without lockdown any role may write any emitter, so it is left out.
-pub const HEADER_EMITTED_BY: &str = "x-pgoutbox-emitted-by";
-
-/// Header with the envelope's `causation_id` (text), when the producer gave one.
-pub const HEADER_CAUSATION_ID: &str = "x-pgoutbox-causation-id";
-/// Header with the envelope's `aggregate_type` (text), when given.
-pub const HEADER_AGGREGATE_TYPE: &str = "x-pgoutbox-aggregate-type";
-/// Header with the envelope's `aggregate_id` (text), when given.
-pub const HEADER_AGGREGATE_ID: &str = "x-pgoutbox-aggregate-id";
-/// Header with the envelope's `aggregate_version` (a long-long integer), when given.
-pub const HEADER_AGGREGATE_VERSION: &str = "x-pgoutbox-aggregate-version";
-/// Header with the envelope's `tenant` (text), when given.
-pub const HEADER_TENANT: &str = "x-pgoutbox-tenant";
-/// Header with the envelope's `idempotency_key` (text), when given.
-pub const HEADER_IDEMPOTENCY_KEY: &str = "x-pgoutbox-idempotency-key";
-/// The W3C Trace Context header (section 3.2), the envelope's `traceparent` unchanged.
-pub const HEADER_TRACEPARENT: &str = "traceparent";
-/// The W3C Trace Context header (section 3.3), the envelope's `tracestate` unchanged.
-pub const HEADER_TRACESTATE: &str = "tracestate";
+// The header names of the wire contract, where they were first defined (they live in
+// crate::contract now, which the consumer side reads too).
+pub use crate::contract::{
+    HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_AGGREGATE_VERSION, HEADER_CAUSATION_ID,
+    HEADER_COMMIT_LSN, HEADER_COMMIT_TIME_US, HEADER_EMITTED_BY, HEADER_IDEMPOTENCY_KEY,
+    HEADER_LSN, HEADER_TENANT, HEADER_TRACEPARENT, HEADER_TRACESTATE,
+};
 
 /// What a run did, returned on a clean shutdown.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

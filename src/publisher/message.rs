@@ -10,20 +10,7 @@ use crate::lsn::Lsn;
 /// AMQP 0-9-1 delivery mode 2: persistent (the broker writes the message to disk).
 pub const DELIVERY_MODE_PERSISTENT: u8 = 2;
 
-/// The exchange a message is published to.
-///
-/// The configured one is a variant without data, so the common case allocates nothing per
-/// message; the publisher holds its name once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Exchange {
-    /// The publisher's own exchange ([`super::PublisherConfig::exchange`], `--exchange`),
-    /// declared when the connection opened.
-    Configured,
-    /// An exchange the producer named: declared (or, under `--no-declare`, checked) on its
-    /// first use on a connection, before the message is published (see
-    /// [`super::exchanges`]).
-    Named(ShortString),
-}
+pub use crate::routing::Exchange;
 
 /// A message to publish.
 #[derive(Debug)]

@@ -58,7 +58,7 @@ pub use outcome::PublishOutcome;
 use socket::{Endpoint, Socket};
 
 /// The header that carries each publish's match key (the message LSN, `X/Y`).
-pub const MATCH_KEY_HEADER: &str = "x-pgoutbox-lsn";
+pub const MATCH_KEY_HEADER: &str = crate::contract::HEADER_LSN;
 
 /// How long connecting, logging in, opening the channel and declaring the exchange may
 /// take: a host that accepts TCP and never answers is reported after this, as a retryable
