@@ -230,7 +230,7 @@ fn all_items() -> Vec<Item> {
             .to_string();
         all.extend(items(&name, &source));
     }
-    all.sort_by(|a, b| b.lines.cmp(&a.lines));
+    all.sort_by_key(|i| std::cmp::Reverse(i.lines));
     all
 }
 

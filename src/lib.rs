@@ -44,6 +44,7 @@ pub mod publisher;
 pub mod replication;
 pub mod routing;
 pub mod secrets;
+pub mod sink;
 pub mod stream_state;
 pub mod watermark;
 

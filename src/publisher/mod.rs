@@ -29,9 +29,10 @@
 
 pub mod confirms;
 pub mod connection;
+pub mod encode;
 pub mod exchanges;
 pub mod message;
-pub mod outcome;
+pub mod sink;
 pub mod socket;
 pub mod tls;
 pub mod wire;
@@ -50,11 +51,12 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 use crate::lsn::Lsn;
+pub use crate::sink::PublishOutcome;
 use confirms::{Confirms, ReturnedKey, Violation};
 pub use connection::{CHANNEL, DEFAULT_HEARTBEAT_S};
 use exchanges::{Exchanges, Released, DECLARE_CHANNEL};
 pub use message::{Exchange, MatchKey, OutboundMessage};
-pub use outcome::PublishOutcome;
+pub use sink::AmqpSink;
 use socket::{Endpoint, Socket};
 
 /// The header that carries each publish's match key (the message LSN, `X/Y`).
@@ -528,7 +530,11 @@ impl<T> Publisher<T> {
         }
     }
 
-    fn poll_outcomes(
+    /// [`Publisher::recv_outcomes`] as a poll function (what [`AmqpSink`] drives).
+    ///
+    /// # Errors
+    /// As [`Publisher::recv_outcomes`].
+    pub fn poll_outcomes(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<(T, PublishOutcome)>, Error>> {
