@@ -40,6 +40,7 @@
 //! Sources: PostgreSQL docs, "Streaming Replication Protocol" and "Logical Streaming
 //! Replication Protocol"; RabbitMQ "Publisher Confirms".
 
+mod admission;
 mod dead_letter;
 pub mod driver;
 mod event_loop;
@@ -47,7 +48,12 @@ mod feedback;
 mod in_flight;
 mod journal;
 mod retention;
+mod session;
+mod settling;
+mod sinks;
 mod standby;
+mod status;
+mod transaction;
 
 pub use driver::run;
 
