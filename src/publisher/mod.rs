@@ -22,6 +22,12 @@
 //! order, until their exchange is known, and a refused exchange settles its message as
 //! [`PublishOutcome::ExchangeRefused`] without touching the publishing channel.
 //!
+//! To the pipeline this is one [`crate::sink::Sink`]: [`AmqpSink`] encodes each delivery
+//! with [`encode::Encoder`] (`--publish-properties`, `--cloudevents`) and hands it to a
+//! [`Publisher`]. The rest of the layout: [`error`] (what can fail, and the fix), the
+//! connection's frames (`frames.rs`: confirms, returns, closes, blocking) and its socket
+//! (`io.rs`: writes, reads, heartbeats).
+//!
 //! Source: AMQP 0-9-1 specification (sections 2.2.4, 4.2), `basic.publish` (mandatory),
 //! `basic.return`, `basic.ack`/`basic.nack` with `multiple`, `connection.blocked`; RabbitMQ
 //! "Consumer Acknowledgements and Publisher Confirms" and "Blocked Connection
@@ -30,7 +36,7 @@
 pub mod confirms;
 pub mod connection;
 pub mod encode;
-mod error;
+pub mod error;
 pub mod exchanges;
 mod frames;
 mod io;
