@@ -92,6 +92,8 @@ impl SinkChoice {
             },
         };
         let encoder = Encoder::new(config.publish_properties, config.cloudevents.clone());
+        // The next sinks are chosen here, from their settings: `--partitions N` (N > 1)
+        // gives `Partitioned` (N of these AMQP settings), `--stream-url` gives `Stream`.
         SinkChoice::Amqp { publisher, encoder }
     }
 
@@ -100,6 +102,9 @@ impl SinkChoice {
     /// # Errors
     /// As [`connect_amqp`].
     pub async fn connect(&self, nodes: &BrokerNodes) -> Result<ConnectedSink, Error> {
+        // One arm per sink: `Partitioned` connects N `connect_amqp` parts and puts them
+        // behind `sink::partitioned`; `Stream` connects the stream publisher and queries
+        // its stored sequence.
         match self {
             SinkChoice::Amqp { publisher, encoder } => {
                 let (sink, node) = connect_amqp(nodes, publisher.clone(), encoder).await?;
