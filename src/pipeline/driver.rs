@@ -4,8 +4,8 @@
 //! Every wait here (connecting to Postgres or the sink, a handshake, the slot held by
 //! another process, the backoff between sessions) ends promptly on SIGINT/SIGTERM; nothing
 //! is in flight during those waits, so such an exit is clean (exit status 0). How a session
-//! connects, and what it hands to the next, is [`super::session`]'s; which sink it
-//! publishes to is [`super::sinks`]'s.
+//! connects, and what it hands to the next, is `session`'s; which sink it
+//! publishes to is `sinks`'s.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -76,7 +76,7 @@ pub enum Error {
         reply_text: String,
     },
     /// The connection failed and every publish unsettled then was already reported as
-    /// [`PublishOutcome::Failed`]. Retryable.
+    /// [`super::PublishOutcome::Failed`]. Retryable.
     #[error("the RabbitMQ connection was lost: {0}")]
     Lost(String),
     /// The broker broke the settling rule (a `basic.return` without our key or matching no
