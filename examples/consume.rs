@@ -1,7 +1,9 @@
 //! Demo consumer: declares a durable queue bound to the pgoutbox exchange with `#`, then
-//! prints each message (id, routing key, LSN headers, body) and acks it.
+//! prints each message (id, routing key, LSN headers, body) and acks it. With
+//! `--properties` it also prints every AMQP property that is set and every header with its
+//! AMQP type, which is what a consumer receives (docs/src/consumers/message.md).
 //!
-//! `cargo run --example consume -- AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]`
+//! `cargo run --example consume -- [--properties] AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]`
 //! exits after COUNT messages or TIMEOUT_S seconds without one (defaults: pgoutbox,
 //! pgoutbox-demo, unlimited, 10).
 //!
@@ -20,10 +22,30 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
-const USAGE: &str = "usage: consume AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]";
+const USAGE: &str = "usage: consume [--properties] AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]";
+
+/// Whether each message's properties and headers are printed too (`--properties`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Detail {
+    /// One line per message: routing key, id, LSN headers, body.
+    Summary,
+    /// The line, then every property that is set and every header, one per line.
+    Properties,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
+    let detail = match args.iter().position(|a| a == "--properties") {
+        Some(i) => {
+            args.remove(i);
+            Detail::Properties
+        }
+        None => Detail::Summary,
+    };
+    if let Some(flag) = args.iter().skip(1).find(|a| a.starts_with("--")) {
+        eprintln!("consume: unknown flag {flag}; {USAGE}");
+        return ExitCode::from(2);
+    }
     let Some(url) = args
         .get(1)
         .cloned()
@@ -67,6 +89,7 @@ fn main() -> ExitCode {
         &queue,
         count.unwrap_or(u64::MAX),
         timeout,
+        detail,
         &mut seen,
     ));
     match result {
@@ -95,6 +118,7 @@ async fn consume(
     queue: &str,
     count: u64,
     timeout: Duration,
+    detail: Detail,
     seen: &mut u64,
 ) -> Result<(), String> {
     let conn = Connection::connect(url, ConnectionProperties::default())
@@ -169,6 +193,9 @@ async fn consume(
             header("x-pgoutbox-commit-lsn"),
             String::from_utf8_lossy(&delivery.data)
         );
+        if detail == Detail::Properties {
+            print_properties(&delivery.properties);
+        }
         delivery
             .ack(BasicAckOptions::default())
             .await
@@ -177,6 +204,66 @@ async fn consume(
     }
     println!("received {seen} messages");
     Ok(())
+}
+
+/// Prints every property of `p` that is set, then every header with its AMQP type, one per
+/// line, indented under the message's summary line.
+fn print_properties(p: &lapin::BasicProperties) {
+    let text = |v: &Option<lapin::types::ShortString>| v.as_ref().map(|s| s.as_str().to_owned());
+    let number = |v: Option<String>| v;
+    let fields = [
+        ("message_id", text(p.message_id())),
+        ("content_type", text(p.content_type())),
+        ("content_encoding", text(p.content_encoding())),
+        (
+            "delivery_mode",
+            number(p.delivery_mode().map(|d| d.to_string())),
+        ),
+        ("priority", number(p.priority().map(|d| d.to_string()))),
+        ("correlation_id", text(p.correlation_id())),
+        ("reply_to", text(p.reply_to())),
+        ("expiration", text(p.expiration())),
+        (
+            "timestamp",
+            number(
+                p.timestamp()
+                    .map(|t| format!("{t} (seconds since the Unix epoch)")),
+            ),
+        ),
+        ("type", text(p.kind())),
+        ("user_id", text(p.user_id())),
+        ("app_id", text(p.app_id())),
+    ];
+    for (name, value) in fields {
+        if let Some(value) = value {
+            println!("  property {name}: {value}");
+        }
+    }
+    let Some(headers) = p.headers().as_ref() else {
+        println!("  (no headers)");
+        return;
+    };
+    let mut headers: Vec<_> = headers.inner().iter().collect();
+    headers.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    for (key, value) in headers {
+        println!("  header {}: {}", key.as_str(), describe(value));
+    }
+}
+
+/// A header value with its AMQP field type, e.g. `"0/1A2B3C8" (long string)`.
+fn describe(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => {
+            format!("{:?} (long string)", String::from_utf8_lossy(s.as_bytes()))
+        }
+        AMQPValue::ShortString(s) => format!("{:?} (short string)", s.as_str()),
+        AMQPValue::Boolean(b) => format!("{b} (boolean)"),
+        AMQPValue::LongLongInt(n) => format!("{n} (long-long integer)"),
+        AMQPValue::LongInt(n) => format!("{n} (long integer)"),
+        AMQPValue::Double(d) => format!("{d} (double)"),
+        AMQPValue::Void => "(void)".to_owned(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// The URL without its password, for messages.

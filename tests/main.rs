@@ -9,6 +9,7 @@ mod cluster;
 mod config;
 mod contract;
 mod deploy_files;
+mod docs_links;
 mod end_to_end;
 mod errors;
 mod faults;

@@ -1,0 +1,286 @@
+//! Every relative link and `#anchor` in `README.md` and `docs/` resolves.
+//!
+//! No network and no servers: the Markdown is parsed with pulldown-cmark (the parser mdBook
+//! itself uses, with the extensions mdBook turns on), so what counts as a link or a heading is
+//! what the book renders. The rules:
+//!
+//! - a link without a scheme (`http:`, `https:`, `mailto:`) must name a file or directory
+//!   that exists, relative to the page (an empty path is the page itself);
+//! - a `#anchor` into a Markdown file must be the id of one of its headings, made by mdBook's
+//!   rule (GitHub's is the same for our headings): the heading's text lowercased, whitespace
+//!   to `-`, every character that is not alphanumeric, `-` or `_` dropped, and `-1`, `-2`, ...
+//!   appended to repeats; an explicit `{#id}` wins;
+//! - a page of the book (`docs/src/`) links only inside `docs/src/`, because the built book
+//!   contains nothing else (a link to `sql/outbox.sql` would work on a code host and break in
+//!   the book: name such files in code font instead);
+//! - every page under `docs/src/` is listed in `docs/src/SUMMARY.md`, so none is left out of
+//!   the book.
+//!
+//! `docs/book/` (the build output) is skipped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
+
+use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
+
+/// The links and heading ids of one Markdown file.
+#[derive(Debug, Default)]
+struct Page {
+    /// Link and image destinations, as written.
+    links: Vec<String>,
+    /// The ids of its headings.
+    ids: BTreeSet<String>,
+}
+
+/// mdBook's `normalize_id`: lowercase, whitespace to `-`, keep alphanumerics, `-` and `_`.
+fn normalize_id(text: &str) -> String {
+    text.chars()
+        .filter_map(|c| {
+            if c.is_alphanumeric() || c == '_' || c == '-' {
+                Some(c.to_ascii_lowercase())
+            } else if c.is_whitespace() {
+                Some('-')
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+fn options() -> Options {
+    Options::ENABLE_TABLES
+        | Options::ENABLE_FOOTNOTES
+        | Options::ENABLE_STRIKETHROUGH
+        | Options::ENABLE_TASKLISTS
+        | Options::ENABLE_HEADING_ATTRIBUTES
+        | Options::ENABLE_DEFINITION_LIST
+}
+
+fn parse(text: &str) -> Page {
+    let mut page = Page::default();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    // The heading being read: its explicit id, if any, and its text so far.
+    let mut heading: Option<(Option<String>, String)> = None;
+    for event in Parser::new_ext(text, options()) {
+        match event {
+            Event::Start(Tag::Heading { id, .. }) => {
+                heading = Some((id.map(|i| i.to_string()), String::new()));
+            }
+            Event::Text(t) | Event::Code(t) => {
+                if let Some((_, text)) = heading.as_mut() {
+                    text.push_str(&t);
+                }
+            }
+            Event::End(TagEnd::Heading(_)) => {
+                if let Some((explicit, text)) = heading.take() {
+                    let id = explicit.unwrap_or_else(|| {
+                        let base = normalize_id(&text);
+                        let n = seen.entry(base.clone()).or_insert(0);
+                        let id = if *n == 0 {
+                            base.clone()
+                        } else {
+                            format!("{base}-{n}")
+                        };
+                        *n += 1;
+                        id
+                    });
+                    page.ids.insert(id);
+                }
+            }
+            Event::Start(Tag::Link { dest_url, .. })
+            | Event::Start(Tag::Image { dest_url, .. }) => {
+                page.links.push(dest_url.to_string());
+            }
+            _ => {}
+        }
+    }
+    page
+}
+
+/// `path` with `.` and `..` folded, without touching the file system.
+fn lexical(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+fn has_scheme(link: &str) -> bool {
+    link.split_once(':').is_some_and(|(scheme, _)| {
+        !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+    })
+}
+
+/// The Markdown files checked under `root`: `README.md` and every `.md` under `docs/`
+/// except the build output.
+fn markdown_files(root: &Path) -> Vec<PathBuf> {
+    let mut files = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                if path != root.join("docs/book") {
+                    dirs.push(path);
+                }
+            } else if path.extension().is_some_and(|e| e == "md") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Every problem found under `root`, one line each (`file: link: why`).
+fn check(root: &Path) -> Vec<String> {
+    let book = lexical(&root.join("docs/src"));
+    let files = markdown_files(root);
+    let mut pages: BTreeMap<PathBuf, Page> = BTreeMap::new();
+    let mut problems = Vec::new();
+    for file in &files {
+        match std::fs::read_to_string(file) {
+            Ok(text) => {
+                pages.insert(lexical(file), parse(&text));
+            }
+            Err(e) => problems.push(format!("{}: cannot read: {e}", file.display())),
+        }
+    }
+    let show = |p: &Path| p.strip_prefix(root).unwrap_or(p).display().to_string();
+    for (file, page) in &pages {
+        let dir = file.parent().unwrap_or(root);
+        for link in &page.links {
+            if has_scheme(link) {
+                continue;
+            }
+            let (path, anchor) = match link.split_once('#') {
+                Some((p, a)) => (p, Some(a)),
+                None => (link.as_str(), None),
+            };
+            let target = if path.is_empty() {
+                file.clone()
+            } else {
+                lexical(&dir.join(path))
+            };
+            let mut why = None;
+            if !target.starts_with(root) {
+                why = Some("points outside the repository".to_owned());
+            } else if file.starts_with(&book) && !target.starts_with(&book) {
+                why = Some("a book page links outside docs/src/, which the built book does not contain; name the file in code font instead".to_owned());
+            } else if !target.exists() {
+                why = Some(format!("{} does not exist", show(&target)));
+            } else if let Some(anchor) = anchor.filter(|a| !a.is_empty()) {
+                if target.extension().is_some_and(|e| e == "md") {
+                    match pages.get(&target) {
+                        Some(p) if p.ids.contains(anchor) => {}
+                        Some(p) => {
+                            why = Some(format!(
+                                "no heading of {} has the id {anchor:?} (it has: {})",
+                                show(&target),
+                                p.ids.iter().cloned().collect::<Vec<_>>().join(", ")
+                            ))
+                        }
+                        None => why = Some(format!("{} is not a checked page", show(&target))),
+                    }
+                }
+            }
+            if let Some(why) = why {
+                problems.push(format!("{}: ({link}): {why}", show(file)));
+            }
+        }
+    }
+    // Every book page is in the table of contents.
+    let summary = book.join("SUMMARY.md");
+    if let Some(toc) = pages.get(&summary) {
+        let listed: BTreeSet<PathBuf> = toc
+            .links
+            .iter()
+            .map(|l| lexical(&book.join(l.split('#').next().unwrap_or_default())))
+            .collect();
+        for file in pages.keys() {
+            if file.starts_with(&book) && *file != summary && !listed.contains(file) {
+                problems.push(format!(
+                    "{}: not listed in docs/src/SUMMARY.md, so the book leaves it out",
+                    show(file)
+                ));
+            }
+        }
+    } else if book.exists() {
+        problems.push("docs/src/SUMMARY.md is missing".into());
+    }
+    problems
+}
+
+#[test]
+fn every_relative_link_and_anchor_in_the_readme_and_the_book_resolves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files = markdown_files(root);
+    assert!(
+        files.len() > 20,
+        "expected the README and the book's pages, found {files:?}"
+    );
+    let problems = check(root);
+    assert!(
+        problems.is_empty(),
+        "{} broken link(s):\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+}
+
+/// The checker itself can fail: a broken file link, a broken anchor, a book page linking out
+/// of the book and a page missing from SUMMARY.md are each reported; good links are not.
+#[test]
+fn the_checker_reports_each_kind_of_broken_link() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path();
+    let write = |path: &str, text: &str| {
+        let path = root.join(path);
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        std::fs::write(path, text).expect("write");
+    };
+    write(
+        "README.md",
+        "# Top\n\n[ok](docs/src/a.md#why-run-refused-to-start-gaps-and---accept-gap) \
+         [ok](#top) [ok](https://example.org/x) [gone](docs/src/missing.md) \
+         [bad anchor](docs/src/a.md#nope)\n\n```sh\n[not a link](nowhere.md)\n```\n",
+    );
+    write("sql/x.sql", "");
+    write("docs/src/SUMMARY.md", "# Summary\n\n- [A](a.md)\n");
+    write(
+        "docs/src/a.md",
+        "# Why `run` refused to start: gaps and `--accept-gap`\n\n## Again\n\n## Again\n\n\
+         [ok](#again-1) [out of the book](../../sql/x.sql) [ok](#again)\n",
+    );
+    write("docs/src/orphan.md", "# Orphan\n");
+    let problems = check(root);
+    let has = |needle: &str| problems.iter().any(|p| p.contains(needle));
+    assert!(
+        has("(docs/src/missing.md): docs/src/missing.md does not exist"),
+        "{problems:#?}"
+    );
+    assert!(has("(docs/src/a.md#nope): no heading"), "{problems:#?}");
+    assert!(
+        has("(../../sql/x.sql): a book page links outside docs/src/"),
+        "{problems:#?}"
+    );
+    assert!(has("docs/src/orphan.md: not listed"), "{problems:#?}");
+    assert_eq!(
+        problems.len(),
+        4,
+        "only the four broken ones: {problems:#?}"
+    );
+}
