@@ -4,7 +4,7 @@
 //! envelope header that `sql/outbox.sql` writes.
 //!
 //! Both sides read them from here: the streamer when it publishes
-//! ([`crate::pipeline`], [`crate::publisher`]), the decoder when it checks what a producer
+//! (the AMQP mapping in [`crate::publisher::encode`]), the decoder when it checks what a producer
 //! wrote ([`crate::envelope`]), and the consumer-side helper when it reads a delivery
 //! ([`crate::inbox`]). `docs/envelope.md` and the README's "Message contract" describe the
 //! same names; a name changes here or nowhere. Plain constants: no I/O, no dependency.

@@ -14,6 +14,10 @@ pub enum Error {
     /// The RabbitMQ side failed.
     #[error(transparent)]
     Publisher(#[from] crate::publisher::Error),
+    /// The sink broke its settling protocol ([`crate::sink::SinkError::Violated`]:
+    /// definite) or failed in another way no message settles.
+    #[error(transparent)]
+    Sink(#[from] crate::sink::SinkError),
     /// An ordinary SQL command failed.
     #[error("postgres: {context}")]
     Sql {
@@ -176,6 +180,7 @@ impl Error {
             }
             // The broker broke the publisher-confirm protocol: stop rather than trust it.
             Error::Publisher(crate::publisher::Error::Protocol(_)) => false,
+            Error::Sink(crate::sink::SinkError::Violated(_)) => false,
             _ => true,
         }
     }

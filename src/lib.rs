@@ -30,6 +30,8 @@ pub mod contract;
 pub mod envelope;
 pub mod error;
 pub mod inbox;
+#[cfg(test)]
+mod item_length;
 pub mod lockdown;
 pub mod lsn;
 pub mod metrics;
@@ -44,6 +46,7 @@ pub mod replication;
 pub mod report;
 pub mod routing;
 pub mod secrets;
+pub mod sink;
 pub mod stream_state;
 pub mod validation;
 pub mod watermark;

@@ -21,10 +21,10 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::in_flight::Seq;
 use crate::admin;
 use crate::error::Error;
 use crate::lsn::Lsn;
+use crate::sink::Seq;
 use crate::watermark::TxnSeq;
 
 /// How long the insert may wait for a lock on `outbox.dead_letter`.

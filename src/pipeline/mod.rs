@@ -2,11 +2,11 @@
 //!
 //! ```text
 //!  walsender ──XLogData/keepalive──▶ ReplicationStream ──pgoutput──▶ Begin/Message/Commit
-//!      ▲                                                                  │ envelope
+//!      ▲                                                                  │ admission
 //!      │ standby status update (flush = AckWatermark::flushed)            ▼
-//!  feedback ◀── AckWatermark ◀── settle ◀── in-flight table ──▶ Publisher (confirms)
-//!                                   ▲                      └──▶ dead-letter writer
-//!                                   └────────── written ◀──────────────┘
+//!  status ◀── AckWatermark ◀── settling ◀── in-flight table ──▶ dyn Sink (outcomes by Seq)
+//!                                 ▲                       └──▶ dead-letter writer
+//!                                 └────────── written ◀─────────────┘
 //! ```
 //!
 //! The invariant: the flush LSN reported to Postgres only moves over transactions whose
@@ -22,17 +22,23 @@
 //! walsender reads replies while its own send blocks.
 //!
 //! Where things live (one concept per module):
-//! - [`driver`]: sessions and reconnects: connect both sides (every wait ends on a signal),
-//!   backoff, what one session teaches the next (resume LSN, the broker's size limit,
-//!   repeated decode failures), the exit status of an interrupted drain;
-//! - `event_loop`: the one `select!` with its written priorities, and frame handling;
-//! - `in_flight`: the in-flight table with retries: **every change of a message's state**
-//!   (published, confirmed, nacked, returned, dead-lettered) happens in
-//!   `event_loop::Core::apply_outcomes` and `Core::on_dead_letter_written`, on records kept
-//!   here;
+//! - [`driver`]: sessions and reconnects: backoff, the exit status of an interrupted drain;
+//! - `session`: connecting one session's sides (every wait ends on a signal) and what one
+//!   session teaches the next (resume LSN, the broker's size limit, the node to try first,
+//!   repeated decode failures);
+//! - `sinks`: the one factory that picks the sink from the settings ([`crate::sink`] is the
+//!   seam; the loop sees `&mut dyn Sink` only);
+//! - `event_loop`: the one `select!` with its written priorities, and what each frame does;
+//! - `transaction`: the open transaction, and each outbox message's index in it;
+//! - `admission`: whether a message is published or dead-lettered unpublished (the six
+//!   checks, in order), and the lockdown markers;
+//! - `settling`: the watermark and the in-flight table: **every change of a message's
+//!   state** after it was read (routed, nacked, returned, dead-lettered) happens there;
+//! - `in_flight`: the in-flight records and their retry schedule;
+//! - `status` and `feedback`: when to send a standby status update, of which kind, and what
+//!   it may report; stall detection;
 //! - `dead_letter`: the dead-letter writer, a task with bounded waits and retries, so a
 //!   lock on `outbox.dead_letter` never stops status updates or confirms;
-//! - `feedback`: when to send a standby status update, and of which kind; stall detection;
 //! - `journal`: the delivery journal writer (`--journal`), a task with a bounded buffer
 //!   fed after a message is settled, so it never holds back acknowledgement;
 //! - `retention`: the task that deletes expired idempotency keys and journal rows.
@@ -40,6 +46,7 @@
 //! Sources: PostgreSQL docs, "Streaming Replication Protocol" and "Logical Streaming
 //! Replication Protocol"; RabbitMQ "Publisher Confirms".
 
+mod admission;
 mod dead_letter;
 pub mod driver;
 mod event_loop;
@@ -47,7 +54,12 @@ mod feedback;
 mod in_flight;
 mod journal;
 mod retention;
+mod session;
+mod settling;
+mod sinks;
 mod standby;
+mod status;
+mod transaction;
 
 pub use driver::run;
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 use amq_protocol::frame::{AMQPFrame, ProtocolVersion};
 use amq_protocol::protocol::{channel, confirm, connection, exchange, AMQPClass};
 use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use amq_protocol::uri::AMQPUri;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::socket::{self, Endpoint, Socket};
@@ -87,18 +88,12 @@ pub async fn open(
     declare: Declare,
     connection_name: &str,
 ) -> Result<Opened, Error> {
-    let uri = &endpoint.uri;
-    let redacted_url = endpoint.redacted_url.as_str();
-    let connect_err = |context: String| Error::Connect {
-        url: redacted_url.to_owned(),
-        context,
-    };
     let mut socket = socket::connect(endpoint).await?;
     let mut hs = Handshake {
         socket: &mut socket,
         buf: Vec::with_capacity(4096),
         frame_max: FRAME_MIN_SIZE,
-        url: redacted_url,
+        url: endpoint.redacted_url.as_str(),
         address: endpoint.address(),
         tls: endpoint.tls.is_some(),
     };
@@ -107,138 +102,167 @@ pub async fn open(
         &mut out,
         &AMQPFrame::ProtocolHeader(ProtocolVersion::amqp_0_9_1()),
     )
-    .map_err(&connect_err)?;
+    .map_err(|e| hs.err(e))?;
     hs.write(&out).await?;
-
-    // connection.start → start-ok (PLAIN).
-    let start = match hs.method().await? {
-        (0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
-        (_, other) => return Err(hs.unexpected("connection.start", &other)),
-    };
-    let mechanisms = String::from_utf8_lossy(start.mechanisms.as_bytes()).into_owned();
-    if !mechanisms.split_whitespace().any(|m| m == "PLAIN") {
-        return Err(connect_err(format!(
-            "the broker offers the SASL mechanisms {mechanisms:?}, not PLAIN; enable PLAIN (RabbitMQ: auth_mechanisms.1 = PLAIN)"
-        )));
-    }
-    let mut response = Vec::with_capacity(2 + uri.authority.userinfo.username.len() + 16);
-    response.push(0);
-    response.extend_from_slice(uri.authority.userinfo.username.as_bytes());
-    response.push(0);
-    response.extend_from_slice(uri.authority.userinfo.password.as_bytes());
-    let start_ok = connection::StartOk {
-        client_properties: client_properties(connection_name),
-        mechanism: ShortString::from("PLAIN"),
-        response: LongString::from(response),
-        locale: ShortString::from("en_US"),
-    };
-    hs.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
-    )
-    .await?;
-
-    // connection.tune → tune-ok, open.
-    let tune = match hs.method().await? {
-        (0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) => tune,
-        (_, other) => return Err(hs.unexpected("connection.tune", &other)),
-    };
-    let frame_max = negotiate(
-        uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX),
-        tune.frame_max,
-    )
-    .max(FRAME_MIN_SIZE);
-    let heartbeat = negotiate(
-        u32::from(uri.query.heartbeat.unwrap_or(DEFAULT_HEARTBEAT_S)),
-        u32::from(tune.heartbeat),
-    ) as u16;
-    // Channel 1 publishes; channel 2 declares exchanges named by producers
-    // (super::exchanges), opened only when one is first used.
-    let channel_max = negotiate(2, u32::from(tune.channel_max)) as u16;
-    hs.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-            channel_max,
-            frame_max,
-            heartbeat,
-        })),
-    )
-    .await?;
-    hs.frame_max = frame_max;
-    hs.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
-            virtual_host: ShortString::try_new(uri.vhost.clone())
-                .map_err(|_| connect_err("the vhost is longer than 255 bytes".into()))?,
-        })),
-    )
-    .await?;
-    match hs.method().await? {
-        (0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))) => {}
-        (_, other) => return Err(hs.unexpected("connection.open-ok", &other)),
-    }
-
-    // channel.open, confirm.select, exchange.declare.
-    hs.send(
-        CHANNEL,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await?;
-    match hs.method().await? {
-        (CHANNEL, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {}
-        (_, other) => return Err(hs.unexpected("channel.open-ok", &other)),
-    }
-    hs.send(
-        CHANNEL,
-        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
-            nowait: false,
-        })),
-    )
-    .await?;
-    match hs.method().await? {
-        (CHANNEL, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => {}
-        (_, other) => return Err(hs.unexpected("confirm.select-ok", &other)),
-    }
-    let exchange = ShortString::try_new(exchange_name.to_owned())
-        .map_err(|_| connect_err("the exchange name is longer than 255 bytes".into()))?;
-    hs.send(
-        CHANNEL,
-        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-            exchange,
-            kind: ShortString::from("topic"),
-            passive: declare == Declare::Passive,
-            durable: true,
-            auto_delete: false,
-            internal: false,
-            nowait: false,
-            arguments: FieldTable::default(),
-        })),
-    )
-    .await?;
-    match hs.method().await {
-        Ok((CHANNEL, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_)))) => {}
-        Ok((_, AMQPClass::Channel(channel::AMQPMethod::Close(close)))) => {
-            let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
-            let _ = hs.send(CHANNEL, ok).await;
-            return Err(Error::Declare {
-                exchange: exchange_name.to_owned(),
-                reply_code: close.reply_code,
-                reply_text: close.reply_text.as_str().to_owned(),
-            });
-        }
-        Ok((_, other)) => return Err(hs.unexpected("exchange.declare-ok", &other)),
-        Err(e) => return Err(e),
-    }
+    hs.log_in(&endpoint.uri, connection_name).await?;
+    let tuned = hs.tune(&endpoint.uri).await?;
+    hs.open_vhost(&endpoint.uri.vhost).await?;
+    hs.open_confirm_channel().await?;
+    hs.declare_exchange(exchange_name, declare).await?;
     let leftover = std::mem::take(&mut hs.buf);
     Ok(Opened {
         socket,
         leftover,
-        tuned: Tuned {
+        tuned,
+    })
+}
+
+impl Handshake<'_> {
+    /// `connection.start` → `start-ok` with PLAIN and the URL's credentials.
+    async fn log_in(&mut self, uri: &AMQPUri, connection_name: &str) -> Result<(), Error> {
+        let start = match self.method().await? {
+            (0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
+            (_, other) => return Err(self.unexpected("connection.start", &other)),
+        };
+        let mechanisms = String::from_utf8_lossy(start.mechanisms.as_bytes()).into_owned();
+        if !mechanisms.split_whitespace().any(|m| m == "PLAIN") {
+            return Err(self.err(format!(
+                "the broker offers the SASL mechanisms {mechanisms:?}, not PLAIN; enable PLAIN (RabbitMQ: auth_mechanisms.1 = PLAIN)"
+            )));
+        }
+        let user = &uri.authority.userinfo;
+        let mut response = Vec::with_capacity(2 + user.username.len() + 16);
+        response.push(0);
+        response.extend_from_slice(user.username.as_bytes());
+        response.push(0);
+        response.extend_from_slice(user.password.as_bytes());
+        let start_ok = connection::StartOk {
+            client_properties: client_properties(connection_name),
+            mechanism: ShortString::from("PLAIN"),
+            response: LongString::from(response),
+            locale: ShortString::from("en_US"),
+        };
+        self.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
+        )
+        .await
+    }
+
+    /// `connection.tune` → `tune-ok`: `frame_max` and the heartbeat as the URL asks (or
+    /// our defaults), negotiated with the broker's; two channels.
+    async fn tune(&mut self, uri: &AMQPUri) -> Result<Tuned, Error> {
+        let tune = match self.method().await? {
+            (0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) => tune,
+            (_, other) => return Err(self.unexpected("connection.tune", &other)),
+        };
+        let frame_max = negotiate(
+            uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX),
+            tune.frame_max,
+        )
+        .max(FRAME_MIN_SIZE);
+        let heartbeat = negotiate(
+            u32::from(uri.query.heartbeat.unwrap_or(DEFAULT_HEARTBEAT_S)),
+            u32::from(tune.heartbeat),
+        ) as u16;
+        // Channel 1 publishes; channel 2 declares exchanges named by producers
+        // (super::exchanges), opened only when one is first used.
+        let channel_max = negotiate(2, u32::from(tune.channel_max)) as u16;
+        self.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max,
+                frame_max,
+                heartbeat,
+            })),
+        )
+        .await?;
+        self.frame_max = frame_max;
+        Ok(Tuned {
             frame_max,
             heartbeat: (heartbeat > 0).then(|| Duration::from_secs(u64::from(heartbeat))),
             channel_max,
-        },
-    })
+        })
+    }
+
+    /// `connection.open` of `vhost` → `open-ok`.
+    async fn open_vhost(&mut self, vhost: &str) -> Result<(), Error> {
+        let virtual_host = ShortString::try_new(vhost.to_owned())
+            .map_err(|_| self.err("the vhost is longer than 255 bytes".into()))?;
+        self.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host,
+            })),
+        )
+        .await?;
+        match self.method().await? {
+            (0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))) => Ok(()),
+            (_, other) => Err(self.unexpected("connection.open-ok", &other)),
+        }
+    }
+
+    /// `channel.open` of [`CHANNEL`], then `confirm.select` on it.
+    async fn open_confirm_channel(&mut self) -> Result<(), Error> {
+        self.send(
+            CHANNEL,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await?;
+        match self.method().await? {
+            (CHANNEL, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {}
+            (_, other) => return Err(self.unexpected("channel.open-ok", &other)),
+        }
+        self.send(
+            CHANNEL,
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                nowait: false,
+            })),
+        )
+        .await?;
+        match self.method().await? {
+            (CHANNEL, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))) => Ok(()),
+            (_, other) => Err(self.unexpected("confirm.select-ok", &other)),
+        }
+    }
+
+    /// `exchange.declare` of `exchange_name` (durable topic, or passive), answered by
+    /// `declare-ok`, or by a `channel.close` that becomes [`Error::Declare`].
+    async fn declare_exchange(
+        &mut self,
+        exchange_name: &str,
+        declare: Declare,
+    ) -> Result<(), Error> {
+        let exchange = ShortString::try_new(exchange_name.to_owned())
+            .map_err(|_| self.err("the exchange name is longer than 255 bytes".into()))?;
+        self.send(
+            CHANNEL,
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange,
+                kind: ShortString::from("topic"),
+                passive: declare == Declare::Passive,
+                durable: true,
+                auto_delete: false,
+                internal: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        )
+        .await?;
+        match self.method().await? {
+            (CHANNEL, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))) => Ok(()),
+            (_, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+                let _ = self.send(CHANNEL, ok).await;
+                Err(Error::Declare {
+                    exchange: exchange_name.to_owned(),
+                    reply_code: close.reply_code,
+                    reply_text: close.reply_text.as_str().to_owned(),
+                })
+            }
+            (_, other) => Err(self.unexpected("exchange.declare-ok", &other)),
+        }
+    }
 }
 
 /// `connection.start-ok` client properties: who we are, and the RabbitMQ capabilities we

@@ -38,8 +38,8 @@ use amq_protocol::types::{FieldTable, ShortString};
 
 use super::connection::Declare;
 use super::message::{Exchange, OutboundMessage};
-use super::outcome::PublishOutcome;
 use super::wire;
+use crate::sink::PublishOutcome;
 
 /// The channel exchange declarations are sent on (publishing uses
 /// [`super::CHANNEL`]).

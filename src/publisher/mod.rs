@@ -22,6 +22,12 @@
 //! order, until their exchange is known, and a refused exchange settles its message as
 //! [`PublishOutcome::ExchangeRefused`] without touching the publishing channel.
 //!
+//! To the pipeline this is one [`crate::sink::Sink`]: [`AmqpSink`] encodes each delivery
+//! with [`encode::Encoder`] (`--publish-properties`, `--cloudevents`) and hands it to a
+//! [`Publisher`]. The rest of the layout: [`error`] (what can fail, and the fix), the
+//! connection's frames (`frames.rs`: confirms, returns, closes, blocking) and its socket
+//! (`io.rs`: writes, reads, heartbeats).
+//!
 //! Source: AMQP 0-9-1 specification (sections 2.2.4, 4.2), `basic.publish` (mandatory),
 //! `basic.return`, `basic.ack`/`basic.nack` with `multiple`, `connection.blocked`; RabbitMQ
 //! "Consumer Acknowledgements and Publisher Confirms" and "Blocked Connection
@@ -29,32 +35,35 @@
 
 pub mod confirms;
 pub mod connection;
+pub mod encode;
+pub mod error;
 pub mod exchanges;
+mod frames;
+mod io;
 pub mod message;
-pub mod outcome;
+pub mod sink;
 pub mod socket;
 pub mod tls;
 pub mod wire;
 
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::pin::Pin;
-use std::str::FromStr;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use amq_protocol::frame::AMQPFrame;
-use amq_protocol::protocol::{basic, channel, connection as conn, AMQPClass, BasicProperties};
-use amq_protocol::types::{AMQPValue, ShortString};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use amq_protocol::protocol::{connection as conn, AMQPClass};
+use amq_protocol::types::ShortString;
+use tokio::io::AsyncWriteExt;
 use tokio::time::{Instant, Sleep};
 
-use crate::lsn::Lsn;
-use confirms::{Confirms, ReturnedKey, Violation};
+pub use crate::sink::PublishOutcome;
+use confirms::Confirms;
 pub use connection::{CHANNEL, DEFAULT_HEARTBEAT_S};
-use exchanges::{Exchanges, Released, DECLARE_CHANNEL};
+use exchanges::{Exchanges, Released};
 pub use message::{Exchange, MatchKey, OutboundMessage};
-pub use outcome::PublishOutcome;
+pub use sink::AmqpSink;
 use socket::{Endpoint, Socket};
 
 /// The header that carries each publish's match key (the message LSN, `X/Y`).
@@ -72,137 +81,7 @@ const READ_BUFFER: usize = 64 * 1024;
 /// A write buffer that grew past this (a window of large messages) is released once empty.
 const KEEP_WRITE_CAPACITY: usize = 4 * 1024 * 1024;
 
-/// An error of the publisher layer.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The AMQP URL is not usable.
-    #[error("invalid AMQP URL: {0}")]
-    Url(String),
-    /// Connecting failed: TCP, the AMQP handshake (a TLS listener reached with `amqp://`
-    /// among the causes), or a close the broker sent during it. Retryable.
-    #[error("RabbitMQ at {url}: {context}; check host, port, user, password and vhost in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running")]
-    Connect {
-        /// The redacted URL.
-        url: String,
-        /// What failed.
-        context: String,
-    },
-    /// The broker refused the login (403 `ACCESS_REFUSED`: wrong user or password) or the
-    /// vhost (530 `NOT_ALLOWED`: missing vhost, or no permission on it). Definite: retrying
-    /// cannot fix it.
-    #[error("RabbitMQ at {url} refused the connection with {reply_code} {reply_text}; {fix}")]
-    Refused {
-        /// The redacted URL.
-        url: String,
-        /// The broker's reply code, e.g. 403.
-        reply_code: u16,
-        /// The broker's reply text, e.g. `ACCESS_REFUSED - Login was refused ...`.
-        reply_text: String,
-        /// What to change.
-        fix: String,
-    },
-    /// A TLS file named in the URL (`cacertfile=`, `certfile=`, `keyfile=`) cannot be used,
-    /// or the system trust store holds no CA certificate. Definite: the same file fails
-    /// again.
-    #[error("amqps: cannot use {what} from --amqp-url (PGOUTBOX_AMQP_URL): {reason}; {fix}")]
-    TlsSetup {
-        /// The setting and its value (`cacertfile=/etc/ca.pem`), or "the system trust store".
-        what: String,
-        /// What is wrong with it.
-        reason: String,
-        /// What to change.
-        fix: &'static str,
-    },
-    /// The TLS handshake failed: the broker's certificate did not verify (unknown CA, wrong
-    /// name, expired), the port is not a TLS listener, or the broker sent an alert.
-    /// Retryable: a broker's certificate or listener can change while we wait.
-    #[error("RabbitMQ at {url}: {context}; {fix}")]
-    Tls {
-        /// The redacted URL.
-        url: String,
-        /// What happened, with rustls' reason.
-        context: String,
-        /// What to change.
-        fix: String,
-    },
-    /// The AMQP handshake did not finish in time (the host accepted TCP and never answered,
-    /// or nobody answered). Retryable.
-    #[error("RabbitMQ: connecting to {url} timed out after {timeout_s} s: the AMQP handshake did not finish; check host and port in --amqp-url (PGOUTBOX_AMQP_URL) and that RabbitMQ is running and answering there")]
-    ConnectTimeout {
-        /// The redacted URL.
-        url: String,
-        /// The timeout, in seconds.
-        timeout_s: u64,
-    },
-    /// The broker refused `exchange.declare`: 406 PRECONDITION_FAILED when the exchange
-    /// exists with another type or durability, 403 ACCESS_REFUSED when the user may not
-    /// configure it.
-    #[error("could not declare exchange {exchange:?} (durable topic): RabbitMQ answered {reply_code} {reply_text}; {}", declare_fix(*.reply_code))]
-    Declare {
-        /// The exchange name.
-        exchange: String,
-        /// The broker's reply code.
-        reply_code: u16,
-        /// The broker's reply text.
-        reply_text: String,
-    },
-    /// The connection failed and every publish unsettled then was already reported as
-    /// [`PublishOutcome::Failed`]. Retryable.
-    #[error("the RabbitMQ connection was lost: {0}")]
-    Lost(String),
-    /// The broker broke the settling rule (a `basic.return` without our key or matching no
-    /// unconfirmed publish, an ack of an unknown delivery tag): nothing more was settled on
-    /// the connection, including outcomes not yet handed out. Definite.
-    #[error("RabbitMQ broke the publisher-confirm protocol: {0}; nothing after it was acknowledged. Report this with the broker's version")]
-    Protocol(String),
-    /// This message cannot be sent on this connection (its content header exceeds the
-    /// negotiated `frame_max`); nothing was written for it.
-    #[error("{0}")]
-    Unsendable(String),
-}
-
-fn declare_fix(reply_code: u16) -> &'static str {
-    match reply_code {
-        403 => "grant the user configure permission on it (rabbitmqctl set_permissions), or declare it beforehand and grant write",
-        404 => "it does not exist and run has --no-declare (PGOUTBOX_NO_DECLARE), which only checks: declare it as a durable topic exchange, or drop --no-declare; run retries meanwhile",
-        _ => "if it exists with another type or durability, delete it or pick another --exchange",
-    }
-}
-
-impl Error {
-    /// The error for a `connection.close` received while connecting: 403 and 530 are
-    /// [`Error::Refused`] with the fix, anything else [`Error::Connect`].
-    pub fn refused_or_closed(url: &str, reply_code: u16, reply_text: &str) -> Error {
-        let fix = match reply_code {
-            403 => "check the user and password in --amqp-url (PGOUTBOX_AMQP_URL); `rabbitmqctl list_users` shows the users, `rabbitmqctl change_password USER PASSWORD` sets one".to_owned(),
-            530 => {
-                let vhost = url::Url::parse(url)
-                    .ok()
-                    .and_then(|u| u.path().strip_prefix('/').map(str::to_owned))
-                    .filter(|p| !p.is_empty())
-                    .map(|p| percent_decode(&p))
-                    .unwrap_or_else(|| "/".into());
-                format!(
-                    "the vhost {vhost:?} is missing or the user may not use it: create it with `rabbitmqctl add_vhost {vhost}` and grant the user with `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /) in --amqp-url (PGOUTBOX_AMQP_URL)"
-                )
-            }
-            _ => {
-                return Error::Connect {
-                    url: url.to_owned(),
-                    context: format!(
-                        "the broker closed the connection with {reply_code} {reply_text}"
-                    ),
-                }
-            }
-        };
-        Error::Refused {
-            url: url.to_owned(),
-            reply_code,
-            reply_text: reply_text.to_owned(),
-            fix,
-        }
-    }
-}
+pub use error::Error;
 
 /// Settings of one publisher connection.
 #[derive(Clone)]
@@ -528,7 +407,11 @@ impl<T> Publisher<T> {
         }
     }
 
-    fn poll_outcomes(
+    /// [`Publisher::recv_outcomes`] as a poll function (what [`AmqpSink`] drives).
+    ///
+    /// # Errors
+    /// As [`Publisher::recv_outcomes`].
+    pub fn poll_outcomes(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<(T, PublishOutcome)>, Error>> {
@@ -543,400 +426,5 @@ impl<T> Publisher<T> {
             State::Failed(reason) => Poll::Ready(Err(Error::Lost(reason.clone()))),
             State::Violated(reason) => Poll::Ready(Err(Error::Protocol(reason.clone()))),
         }
-    }
-
-    /// Writes, reads and handles frames until the socket would block both ways (wakers
-    /// registered) or outcomes are ready; keeps the heartbeat timer armed.
-    fn poll_io(&mut self, cx: &mut Context<'_>) {
-        loop {
-            let queued_before = self.out.len() - self.written;
-            self.poll_write(cx);
-            if !matches!(self.state, State::Open) {
-                return;
-            }
-            let mut reads = 0;
-            loop {
-                if reads == READS_PER_POLL {
-                    // More to read: come back after the pipeline's other branches.
-                    cx.waker().wake_by_ref();
-                    break;
-                }
-                reads += 1;
-                match self.poll_read(cx) {
-                    Poll::Ready(true) => {}
-                    Poll::Ready(false) => {
-                        // The broker closed the channel or connection: its close-ok (queued
-                        // by handle_frame) goes out, best effort, before we give up.
-                        self.poll_write(cx);
-                        return;
-                    }
-                    Poll::Pending => break,
-                }
-            }
-            if !matches!(self.state, State::Open) {
-                return;
-            }
-            if self.poll_timer(cx) {
-                continue;
-            }
-            // Handling frames may have queued replies (close-ok); write them now.
-            if self.out.len() - self.written > queued_before && self.written < self.out.len() {
-                continue;
-            }
-            return;
-        }
-    }
-
-    fn poll_write(&mut self, cx: &mut Context<'_>) {
-        while self.written < self.out.len() {
-            match Pin::new(&mut self.socket).poll_write(cx, &self.out[self.written..]) {
-                Poll::Ready(Ok(0)) => {
-                    self.fail("writing to RabbitMQ returned 0 bytes (socket closed)".into());
-                    return;
-                }
-                Poll::Ready(Ok(n)) => {
-                    self.written += n;
-                    self.unflushed = true;
-                    self.last_write = Instant::now();
-                }
-                Poll::Ready(Err(e)) => {
-                    self.fail(format!("writing to RabbitMQ failed: {e}"));
-                    return;
-                }
-                Poll::Pending => return,
-            }
-        }
-        self.out.clear();
-        self.written = 0;
-        if self.out.capacity() > KEEP_WRITE_CAPACITY {
-            self.out = Vec::with_capacity(64 * 1024);
-        }
-        // TLS: a write may leave records in rustls' buffer when the socket would block;
-        // flushing sends them (a no-op on plain TCP). Pending registers the waker.
-        if self.unflushed {
-            match Pin::new(&mut self.socket).poll_flush(cx) {
-                Poll::Ready(Ok(())) => self.unflushed = false,
-                Poll::Ready(Err(e)) => self.fail(format!("writing to RabbitMQ failed: {e}")),
-                Poll::Pending => {}
-            }
-        }
-    }
-
-    /// One read: `Ready(true)` when bytes were read and handled, `Ready(false)` when the
-    /// connection failed, `Pending` when nothing is there (waker registered).
-    fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
-        if self.in_start == self.in_end {
-            self.in_start = 0;
-            self.in_end = 0;
-        } else if self.in_end == self.inbuf.len() {
-            self.inbuf.copy_within(self.in_start..self.in_end, 0);
-            self.in_end -= self.in_start;
-            self.in_start = 0;
-        }
-        let mut rb = ReadBuf::new(&mut self.inbuf[self.in_end..]);
-        match Pin::new(&mut self.socket).poll_read(cx, &mut rb) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err(e)) => {
-                self.fail(format!("reading from RabbitMQ failed: {e}"));
-                Poll::Ready(false)
-            }
-            Poll::Ready(Ok(())) => {
-                let n = rb.filled().len();
-                if n == 0 {
-                    let unsettled = self.confirms.unsettled();
-                    self.fail(format!(
-                        "RabbitMQ closed the socket with {unsettled} publishes unconfirmed"
-                    ));
-                    return Poll::Ready(false);
-                }
-                self.in_end += n;
-                self.last_read = Instant::now();
-                self.handle_frames();
-                Poll::Ready(matches!(self.state, State::Open))
-            }
-        }
-    }
-
-    /// The heartbeat timer: sends a heartbeat when nothing was written for half the
-    /// interval, fails the connection when nothing was read for twice the interval
-    /// (section 4.2.7). True when a heartbeat was queued.
-    fn poll_timer(&mut self, cx: &mut Context<'_>) -> bool {
-        let Some(interval) = self.heartbeat else {
-            return false;
-        };
-        let now = Instant::now();
-        let dead_at = self.last_read + interval * 2;
-        if now >= dead_at {
-            self.fail(format!(
-                "no frame and no heartbeat from RabbitMQ for {} s (heartbeat {} s): the broker or the network is gone",
-                (now - self.last_read).as_secs(),
-                interval.as_secs()
-            ));
-            return false;
-        }
-        let send_at = self.last_write + interval / 2;
-        if now >= send_at && self.written == self.out.len() {
-            if wire::encode(&mut self.out, &AMQPFrame::Heartbeat).is_ok() {
-                self.last_write = now;
-            }
-            return true;
-        }
-        let next = if self.written == self.out.len() {
-            send_at.min(dead_at)
-        } else {
-            dead_at
-        };
-        self.timer.as_mut().reset(next);
-        if self.timer.as_mut().poll(cx).is_ready() {
-            // Due already (a clock step): look again now.
-            cx.waker().wake_by_ref();
-        }
-        false
-    }
-
-    fn handle_frames(&mut self) {
-        while matches!(self.state, State::Open) {
-            let buf = &self.inbuf[self.in_start..self.in_end];
-            let len = match wire::frame_len(buf, self.frame_max) {
-                Ok(Some(len)) => len,
-                Ok(None) => break,
-                Err(e) => {
-                    self.fail(e.to_string());
-                    break;
-                }
-            };
-            let frame = wire::decode(&buf[..len]);
-            self.in_start += len;
-            match frame {
-                Ok(frame) => self.handle_frame(frame),
-                Err(e) => self.fail(e.to_string()),
-            }
-        }
-        // A frame larger than what is left of the buffer: make room for it.
-        if self.in_start > 0 && self.in_end == self.inbuf.len() {
-            self.inbuf.copy_within(self.in_start..self.in_end, 0);
-            self.in_end -= self.in_start;
-            self.in_start = 0;
-        }
-    }
-
-    fn handle_frame(&mut self, frame: AMQPFrame) {
-        match frame {
-            AMQPFrame::Heartbeat => {}
-            // Producer-named exchanges are declared on their own channel (exchanges.rs):
-            // its replies, a refusal's channel.close included, concern nothing else.
-            AMQPFrame::Method(DECLARE_CHANNEL, method) => {
-                let mut released = std::mem::take(&mut self.released);
-                let r = self
-                    .exchanges
-                    .on_method(method, &mut self.out, &mut released);
-                self.release(&mut released);
-                self.released = released;
-                if let Err(e) = r {
-                    self.fail(e);
-                }
-            }
-            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
-                let r = self
-                    .confirms
-                    .ack(ack.delivery_tag, ack.multiple, &mut self.ready);
-                if let Err(v) = r {
-                    self.violate(v);
-                }
-            }
-            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Nack(nack))) => {
-                let r = self
-                    .confirms
-                    .nack(nack.delivery_tag, nack.multiple, &mut self.ready);
-                if let Err(v) = r {
-                    self.violate(v);
-                }
-            }
-            AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Return(ret))) => {
-                self.returning = Some(Returning {
-                    reply_code: ret.reply_code,
-                    reply_text: ret.reply_text.as_str().to_owned(),
-                    body_left: None,
-                });
-            }
-            AMQPFrame::Header(_, header) => {
-                let Some(returning) = self.returning.as_mut() else {
-                    self.fail(
-                        "RabbitMQ sent a content header that belongs to no basic.return".into(),
-                    );
-                    return;
-                };
-                let key = returned_key(&header.properties);
-                let key = ReturnedKey {
-                    lsn: key.0,
-                    message_id: key.1.as_deref(),
-                };
-                let (code, text) = (returning.reply_code, returning.reply_text.clone());
-                if header.body_size == 0 {
-                    self.returning = None;
-                } else {
-                    returning.body_left = Some(header.body_size);
-                }
-                match self.confirms.returned(key, code, &text) {
-                    Ok(marked) => {
-                        tracing::debug!(reply_code = code, reply_text = %text, marked, "basic.return recorded");
-                    }
-                    Err(v) => self.violate(v),
-                }
-            }
-            AMQPFrame::Body(_, part) => match self.returning.as_mut() {
-                Some(Returning {
-                    body_left: Some(left),
-                    ..
-                }) => {
-                    *left = left.saturating_sub(part.len() as u64);
-                    if *left == 0 {
-                        self.returning = None;
-                    }
-                }
-                _ => {
-                    self.fail("RabbitMQ sent a content body that belongs to no basic.return".into())
-                }
-            },
-            AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
-                let ok = AMQPFrame::Method(
-                    CHANNEL,
-                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
-                );
-                let _ = wire::encode(&mut self.out, &ok);
-                self.fail(format!(
-                    "the broker closed the channel with {} {}",
-                    close.reply_code,
-                    close.reply_text.as_str()
-                ));
-            }
-            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Close(close))) => {
-                let ok = AMQPFrame::Method(
-                    0,
-                    AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})),
-                );
-                let _ = wire::encode(&mut self.out, &ok);
-                self.fail(format!(
-                    "the broker closed the connection with {} {}",
-                    close.reply_code,
-                    close.reply_text.as_str()
-                ));
-            }
-            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Blocked(b))) => {
-                if !self.blocked {
-                    tracing::warn!(reason = %b.reason.as_str(), "RabbitMQ blocked the connection (connection.blocked: memory or disk alarm); publishes wait until it clears, nothing unconfirmed is acknowledged");
-                }
-                self.blocked = true;
-                self.signals.blocked.store(true, Ordering::Relaxed);
-            }
-            AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Unblocked(_))) => {
-                if self.blocked {
-                    tracing::info!("RabbitMQ unblocked the connection (connection.unblocked); publishing resumes");
-                }
-                self.blocked = false;
-                self.signals.blocked.store(false, Ordering::Relaxed);
-            }
-            other => {
-                tracing::debug!(frame = %other, "ignoring a frame the publisher does not use");
-            }
-        }
-    }
-
-    /// The connection or channel failed: report every unsettled publish as failed.
-    fn fail(&mut self, reason: String) {
-        if !matches!(self.state, State::Open) {
-            return;
-        }
-        self.confirms.fail_all(&reason, &mut self.ready);
-        self.exchanges.fail_all(&reason, &mut self.ready);
-        self.signals.lost.store(true, Ordering::Relaxed);
-        self.state = State::Failed(reason);
-    }
-
-    /// The broker broke the settling rule: settle nothing more, hand out nothing more.
-    fn violate(&mut self, violation: Violation) {
-        if !matches!(self.state, State::Open) {
-            return;
-        }
-        tracing::error!(error = %violation, unsettled = self.confirms.unsettled(), "RabbitMQ broke the publisher-confirm protocol; acknowledging nothing more on this connection");
-        self.ready.clear();
-        self.signals.lost.store(true, Ordering::Relaxed);
-        self.state = State::Violated(violation.to_string());
-    }
-}
-
-/// The keys a returned message carries: our LSN header, parsed, and its message id.
-fn returned_key(properties: &BasicProperties) -> (Option<Lsn>, Option<String>) {
-    let lsn = properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(MATCH_KEY_HEADER))
-        .and_then(|v| match v {
-            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
-            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-            _ => None,
-        })
-        .and_then(|s| Lsn::from_str(&s).ok());
-    let message_id = properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_owned());
-    (lsn, message_id)
-}
-
-/// Percent-decodes a URL path segment (`%2f` → `/`); invalid escapes stay as they are.
-fn percent_decode(path: &str) -> String {
-    let bytes = path.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_refused_vhost_names_the_percent_decoded_vhost() {
-        let e = Error::refused_or_closed(
-            "amqp://u:***@h:5672/orders%2Feu",
-            530,
-            "NOT_ALLOWED - vhost orders/eu not found",
-        );
-        let text = e.to_string();
-        assert!(text.contains("\"orders/eu\""), "{text}");
-        assert!(text.contains("rabbitmqctl add_vhost orders/eu"), "{text}");
-        let e = Error::refused_or_closed("amqp://u:***@h:5672/%2f", 530, "NOT_ALLOWED");
-        assert!(e.to_string().contains("\"/\""));
-        let e = Error::refused_or_closed("amqp://u:***@h:5672", 530, "NOT_ALLOWED");
-        assert!(e.to_string().contains("\"/\""));
-        assert!(matches!(
-            Error::refused_or_closed("amqp://h", 403, "ACCESS_REFUSED"),
-            Error::Refused {
-                reply_code: 403,
-                ..
-            }
-        ));
-        assert!(matches!(
-            Error::refused_or_closed("amqp://h", 320, "CONNECTION_FORCED"),
-            Error::Connect { .. }
-        ));
-        assert_eq!(percent_decode("a+b%"), "a+b%");
     }
 }

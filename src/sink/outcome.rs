@@ -1,14 +1,22 @@
-//! Our own exhaustive outcome of one publish.
+//! Our own exhaustive outcome of one publish, whatever the sink.
+//!
+//! Every sink maps its destination's answers into these (and nothing else moves the flush
+//! LSN): the AMQP publisher maps `basic.ack`, `basic.nack`, `basic.return` and a failed
+//! channel ([`crate::publisher::confirms`]); a stream-protocol sink maps its publish confirm
+//! to [`PublishOutcome::Routed`] and a publish error code to `Nacked` or `Failed`.
 //!
 //! Source: RabbitMQ "Consumer Acknowledgements and Publisher Confirms": an unroutable
 //! `mandatory` message is returned (`basic.return`, 312 NO_ROUTE) **and then acked**, so an
 //! ack alone does not mean delivered. Returns are matched to publishes by the key they carry
-//! (see [`super::MatchKey`]); see [`super::confirms`] for the settling rule.
+//! (see [`crate::publisher::MatchKey`]); see [`crate::publisher::confirms`] for the
+//! settling rule.
 
 /// What became of one published message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PublishOutcome {
-    /// Acked by the broker and not returned: routed to at least one queue and stored.
+    /// Acked by the broker and not returned: routed to at least one queue and stored. A
+    /// sink that knows the message is already stored (a stream's deduplication at start)
+    /// settles it as `Routed` without sending it.
     Routed,
     /// Returned by the broker (`basic.return`), typically 312 NO_ROUTE; not delivered.
     Returned {

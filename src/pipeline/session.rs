@@ -1,0 +1,446 @@
+//! One session's start: connect both sides, and what one session leaves to the next.
+//!
+//! In order: the SQL session (pre-flight checks, the background tasks' privileges,
+//! `outbox.stream_state`, the outbox's prefix, the lockdown record), the dead-letter
+//! writer, the sink ([`SinkChoice::connect`]), the replication stream (waiting as a
+//! standby while another process holds the slot), the slot's `confirmed_flush_lsn`, and the
+//! session's record in `outbox.stream_state`. Every wait is bounded or raced against
+//! shutdown by the caller.
+//!
+//! What one session hands to the next ([`SessionMemory`]): the LSN it knows to be settled
+//! (so a reconnect re-sends at most what was not confirmed), the broker's message size
+//! limit once RabbitMQ revealed it by closing the channel, the broker node to try first,
+//! and how often the same WAL position failed to decode.
+
+use std::time::Duration;
+
+use super::admission::BrokerLimit;
+use super::dead_letter::DeadLetterWriter;
+use super::sinks::{BrokerNodes, ConnectedSink, SinkChoice};
+use super::standby::Standby;
+use crate::admin;
+use crate::config::RunConfig;
+use crate::error::Error;
+use crate::lockdown::Lockdown;
+use crate::lsn::Lsn;
+use crate::metrics::Telemetry;
+use crate::outbox_schema::MessagePrefix;
+use crate::replication::connect::{ReplicationConnection, SystemIdentity};
+use crate::replication::session::ReplicationStream;
+use crate::sink::Sink;
+use crate::stream_state::{self, FlushGate, RecordedHandle, SeenHistory};
+
+/// How long closing the sink and the replication stream may take.
+pub(super) const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A frame that fails to decode this many times in a row at the same LSN is a definite
+/// error: reconnecting will only read the same bytes again.
+pub const DECODE_FAILURE_LIMIT: u32 = 3;
+
+/// What one session leaves to the next.
+#[derive(Debug, Default)]
+pub(super) struct SessionMemory {
+    /// The last LSN this process knows to be settled (`None` before the first session).
+    /// Reused only while the server's history is the same ([`SeenHistory`]).
+    pub resume: Option<Lsn>,
+    /// The server's identity and the flush LSN recorded in the last session.
+    pub seen: Option<SeenHistory>,
+    /// The broker's `max_message_size` in bytes, from `--broker-max-message-bytes` or learned
+    /// from a channel close (406 PRECONDITION_FAILED, "message size N is larger than
+    /// configured max size M"), with the broker's text.
+    pub broker_limit: Option<BrokerLimit>,
+    /// Messages not settled when the last session ended.
+    pub unsettled_at_end: u64,
+    /// The broker's nodes and which one the next session tries first.
+    pub nodes: BrokerNodes,
+    /// The LSN of the last frame that failed to decode, and how many sessions in a row
+    /// failed there.
+    decode_failures: Option<(Lsn, u32)>,
+}
+
+impl SessionMemory {
+    /// What the first session starts with: the broker's size limit when configured, and
+    /// the broker's nodes in the order they are tried.
+    pub fn new(broker_limit: Option<BrokerLimit>, nodes: BrokerNodes) -> Self {
+        SessionMemory {
+            broker_limit,
+            nodes,
+            ..SessionMemory::default()
+        }
+    }
+
+    /// Counts decode failures at one LSN across sessions; the [`DECODE_FAILURE_LIMIT`]th
+    /// becomes [`Error::UndecodableWal`]. Any other outcome resets the count.
+    pub fn note_decode_failure(&mut self, error: Error) -> Error {
+        let Error::Decode { lsn, reason } = &error else {
+            self.decode_failures = None;
+            return error;
+        };
+        let count = match self.decode_failures {
+            Some((at, n)) if at == *lsn => n + 1,
+            _ => 1,
+        };
+        self.decode_failures = Some((*lsn, count));
+        if count >= DECODE_FAILURE_LIMIT {
+            return Error::UndecodableWal {
+                lsn: *lsn,
+                attempts: count,
+                reason: reason.clone(),
+            };
+        }
+        error
+    }
+}
+
+/// Both connections and the sink, ready to stream.
+pub(super) struct Connected {
+    pub stream: ReplicationStream,
+    pub interval: Duration,
+    pub sink: Box<dyn Sink>,
+    /// Index of the broker node the sink is connected to (into [`BrokerNodes::urls`]).
+    pub node: usize,
+    pub dead_letters: DeadLetterWriter,
+    pub start: Lsn,
+    pub lockdown: Lockdown,
+    pub gate: FlushGate,
+    pub recorded: RecordedHandle,
+    pub identity: SystemIdentity,
+    /// The prefix this session publishes ([`admin::resolve_prefix`]).
+    pub prefix: MessagePrefix,
+}
+
+/// A started replication stream ([`start_stream`]).
+struct Started {
+    stream: ReplicationStream,
+    /// The periodic status interval ([`status_interval`]).
+    interval: Duration,
+    identity: SystemIdentity,
+    /// The position asked for ([`stream_state::start_hint`]).
+    hint: Lsn,
+}
+
+/// Connects the SQL session, runs the pre-flight checks, connects the dead-letter writer
+/// and the sink, and starts streaming.
+///
+/// # Errors
+/// Whatever fails first; the replication stream is closed again when the session's record
+/// cannot be written.
+pub(super) async fn connect(
+    config: &RunConfig,
+    pg: &crate::config::DatabaseConfig,
+    sinks: &SinkChoice,
+    memory: &SessionMemory,
+    telemetry: &Telemetry,
+) -> Result<Connected, Error> {
+    let sql = crate::postgres::connect(pg).await?;
+    let prefix = prepare(&sql, config).await?;
+    let application_name = format!("pgoutbox-{}", config.observability.instance_id);
+    warn_if_synchronous_standby(&sql, &application_name).await;
+    let lockdown = read_lockdown(&sql, config).await?;
+    let dead_letters = DeadLetterWriter::connect(pg, &config.postgres.schema).await?;
+    let ConnectedSink { sink, node } = sinks.connect(&memory.nodes).await?;
+    let started = start_stream(config, pg, &sql, &application_name, memory, telemetry).await?;
+    // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
+    let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.postgres.slot).await?;
+    let start = slot_lsn.max(started.hint);
+    let (gate, recorded) =
+        match stream_state::session_start(sql, config, &started.identity, slot_lsn, start).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
+                return Err(e.into());
+            }
+        };
+    log_streaming(
+        config,
+        &prefix,
+        &lockdown,
+        start,
+        slot_lsn,
+        started.interval,
+    );
+    Ok(Connected {
+        stream: started.stream,
+        interval: started.interval,
+        sink,
+        node,
+        dead_letters,
+        start,
+        lockdown,
+        gate,
+        recorded,
+        identity: started.identity,
+        prefix,
+    })
+}
+
+/// The SQL side's checks before anything streams: pre-flight, the background tasks'
+/// privileges (warnings), `outbox.stream_state`; returns the outbox's prefix.
+async fn prepare(sql: &tokio_postgres::Client, config: &RunConfig) -> Result<MessagePrefix, Error> {
+    admin::preflight(
+        sql,
+        &config.postgres.schema,
+        &config.postgres.slot,
+        &config.postgres.publication,
+    )
+    .await?;
+    for warning in admin::check_background_privileges(
+        sql,
+        &config.postgres.schema,
+        &config.postgres.slot,
+        config.observability.journal == crate::config::JournalMode::On,
+        config.postgres.retention.idempotency.age().is_some(),
+        config.postgres.retention.journal.age().is_some(),
+    )
+    .await?
+    {
+        tracing::warn!("{warning}");
+    }
+    stream_state::ensure_table(sql, &config.postgres.schema).await?;
+    admin::resolve_prefix(
+        sql,
+        &config.postgres.schema,
+        config.postgres.prefix.as_ref(),
+    )
+    .await
+}
+
+/// The lockdown record. Read before START_REPLICATION: a lockdown committed after this read
+/// is decoded in the stream (its marker), one committed before it is in the record
+/// (crate::lockdown). Lockdown is the default outbox's only (admin::require_default_schema):
+/// another schema's streamer checks no emitter and ignores the markers.
+async fn read_lockdown(
+    sql: &tokio_postgres::Client,
+    config: &RunConfig,
+) -> Result<Lockdown, Error> {
+    if !config.postgres.schema.is_default() {
+        return Ok(Lockdown::from_record(None));
+    }
+    let lockdown_state = admin::lockdown_state(sql).await?;
+    Ok(Lockdown::from_record(lockdown_state.since()))
+}
+
+/// The session's start line, with what it streams and from where.
+fn log_streaming(
+    config: &RunConfig,
+    prefix: &MessagePrefix,
+    lockdown: &Lockdown,
+    start: Lsn,
+    slot_lsn: Lsn,
+    interval: Duration,
+) {
+    tracing::info!(
+        slot = %config.postgres.slot,
+        schema = %config.postgres.schema,
+        prefix = %prefix,
+        publication = %config.postgres.publication,
+        exchange = %config.broker.exchange,
+        allowed_exchanges = %config.broker.allowed_exchanges,
+        no_declare = config.broker.exchange_declare == crate::config::ExchangeDeclare::Passive,
+        start_lsn = %start,
+        slot_confirmed_flush_lsn = %slot_lsn,
+        status_interval_ms = interval.as_millis() as u64,
+        max_in_flight = config.bounds.max_in_flight,
+        max_in_flight_bytes = config.bounds.max_in_flight_bytes,
+        lockdown_lsn = %lockdown.since().map(|l| l.to_string()).unwrap_or_else(|| "off".into()),
+        "streaming"
+    );
+}
+
+/// Warns when `synchronous_standby_names` could pick this streamer's walsender as a
+/// synchronous standby: producers' commits would then wait for pgoutbox's flush LSN, which
+/// waits for the broker. (pgoutbox's own dead-letter commits use `synchronous_commit =
+/// local`, so they never wait on themselves.)
+async fn warn_if_synchronous_standby(sql: &tokio_postgres::Client, application_name: &str) {
+    let Ok(row) = sql.query_one("SHOW synchronous_standby_names", &[]).await else {
+        return;
+    };
+    let names: String = row.get(0);
+    if synchronous_names_may_select(&names, application_name) {
+        tracing::warn!(
+            synchronous_standby_names = %names,
+            application_name,
+            "synchronous_standby_names can select pgoutbox's walsender as a synchronous standby: commits would wait for the outbox to reach RabbitMQ. Name the physical standbys explicitly instead of '*'"
+        );
+    }
+}
+
+/// Whether a `synchronous_standby_names` value may name `application_name` (or `*`).
+fn synchronous_names_may_select(names: &str, application_name: &str) -> bool {
+    let names = names.trim();
+    if names.is_empty() {
+        return false;
+    }
+    names
+        .split(|c: char| c == ',' || c == '(' || c == ')' || c.is_whitespace())
+        .map(|n| n.trim().trim_matches('"'))
+        .any(|n| n == "*" || n.eq_ignore_ascii_case(application_name))
+}
+
+/// Parses a PostgreSQL duration setting as `SHOW` prints it (`60s`, `1min`, `500ms`, `0`).
+fn parse_pg_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (num, unit) = text.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let ms = match unit.trim() {
+        "" | "ms" => n,
+        "s" => n.checked_mul(1000)?,
+        "min" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        "d" => n.checked_mul(86_400_000)?,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+/// The periodic status interval for a server `wal_sender_timeout` (`None`: unknown or 0 =
+/// disabled): a third of the timeout, at most [`crate::config::MAX_STATUS_INTERVAL`], at
+/// least 100 ms.
+fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
+    use crate::config::MAX_STATUS_INTERVAL;
+    match wal_sender_timeout {
+        Some(t) if !t.is_zero() => (t / 3).clamp(Duration::from_millis(100), MAX_STATUS_INTERVAL),
+        _ => MAX_STATUS_INTERVAL,
+    }
+}
+
+/// Opens the replication connection and starts streaming at `start` (the server starts at
+/// the slot's confirmed_flush_lsn when that is further). While another process holds the
+/// slot this process is a standby ([`super::standby`]): it polls the holder every
+/// `--standby-poll-ms` and tries again as soon as the slot is free, for `slot_busy_timeout`
+/// (forever when `None`). The caller races this against shutdown.
+async fn start_stream(
+    config: &RunConfig,
+    pg: &crate::config::DatabaseConfig,
+    sql: &tokio_postgres::Client,
+    application_name: &str,
+    memory: &SessionMemory,
+    telemetry: &Telemetry,
+) -> Result<Started, Error> {
+    let mut standby = Standby::new(
+        config.postgres.standby_poll,
+        config.postgres.slot_busy_timeout,
+        application_name,
+    );
+    let options = [
+        ("proto_version", "1"),
+        ("publication_names", config.postgres.publication.as_str()),
+        ("messages", "true"),
+    ];
+    loop {
+        let mut conn = ReplicationConnection::connect(pg, application_name).await?;
+        let identity = conn.identify_system().await?;
+        let timeout = conn
+            .show("wal_sender_timeout")
+            .await?
+            .as_deref()
+            .and_then(parse_pg_duration);
+        tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
+        // Before START_REPLICATION: a resume position from another history would make the
+        // server skip the new history's commits below it.
+        let start = stream_state::start_hint(
+            sql,
+            &config.postgres.schema,
+            &config.postgres.slot,
+            memory.resume,
+            memory.seen.as_ref(),
+            &identity,
+        )
+        .await?;
+        match conn
+            .start_logical_replication(&config.postgres.slot, start, &options)
+            .await
+        {
+            Ok(stream) => {
+                standby.leave(sql).await;
+                return Ok(Started {
+                    stream,
+                    interval: status_interval(timeout),
+                    identity,
+                    hint: start,
+                });
+            }
+            Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
+                standby.wait(sql, &config.postgres.slot, telemetry).await?;
+            }
+            // PostgreSQL 15: "can no longer get changes from replication slot" once
+            // max_slot_wal_keep_size invalidated it.
+            Err(e) if e.code() == Some("55000") => {
+                return Err(Error::SlotLost {
+                    slot: config.postgres.slot.clone(),
+                    confirmed_flush_lsn: admin::slot_status(sql, &config.postgres.slot)
+                        .await
+                        .ok()
+                        .and_then(|s| s.confirmed_flush_lsn)
+                        .unwrap_or_else(|| e.to_string()),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pg_durations() {
+        assert_eq!(parse_pg_duration("1min"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_pg_duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(parse_pg_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_pg_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_pg_duration("abc"), None);
+        assert_eq!(parse_pg_duration("18446744073709551615d"), None);
+    }
+
+    #[test]
+    fn status_interval_stays_well_inside_the_timeout() {
+        use crate::config::MAX_STATUS_INTERVAL;
+        assert_eq!(
+            status_interval(Some(Duration::from_secs(60))),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            status_interval(Some(Duration::from_secs(5))).as_millis(),
+            1666
+        );
+        assert_eq!(status_interval(Some(Duration::ZERO)), MAX_STATUS_INTERVAL);
+        assert_eq!(status_interval(None), MAX_STATUS_INTERVAL);
+    }
+
+    #[test]
+    fn the_same_decode_failure_three_times_is_definite() {
+        let mut memory = SessionMemory::default();
+        let at = |lsn| Error::Decode {
+            lsn: Lsn(lsn),
+            reason: "truncated".into(),
+        };
+        assert!(memory.note_decode_failure(at(5)).is_retryable());
+        assert!(memory.note_decode_failure(at(5)).is_retryable());
+        let e = memory.note_decode_failure(at(5));
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("0/5"), "{e}");
+        // Another LSN, or any other failure in between, starts over.
+        let mut memory = SessionMemory::default();
+        memory.note_decode_failure(at(5));
+        memory.note_decode_failure(Error::BrokerLost("x".into()));
+        memory.note_decode_failure(at(5));
+        assert!(memory.note_decode_failure(at(6)).is_retryable());
+    }
+
+    #[test]
+    fn synchronous_standby_names_that_can_pick_us() {
+        let me = "pgoutbox-abc";
+        assert!(!synchronous_names_may_select("", me));
+        assert!(synchronous_names_may_select("*", me));
+        assert!(synchronous_names_may_select("ANY 1 (*)", me));
+        assert!(synchronous_names_may_select(
+            "FIRST 2 (s1, \"pgoutbox-abc\")",
+            me
+        ));
+        assert!(!synchronous_names_may_select("FIRST 1 (s1, s2)", me));
+    }
+}
