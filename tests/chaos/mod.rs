@@ -285,10 +285,7 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
             streamer.log()
         );
         let mark = support::lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
-        let moved = support::wait_until(scaled(Duration::from_secs(60)), || async {
-            ob.confirmed_flush() > mark
-        })
-        .await;
+        let moved = ob.flushed_past(mark, scaled(Duration::from_secs(60))).await;
         assert!(
             moved,
             "round {round}: the slot did not move again after {fault:?}: confirmed_flush {:#x}, WAL at the fault {mark:#x} (seed {seed})\n{}",

@@ -9,43 +9,8 @@
 use std::process::Output;
 use std::time::Duration;
 
+use crate::support::cli::{bin, pgoutbox, pgoutbox_env, stderr, stdout};
 use crate::support::{self, scaled, Outbox, Postgres, RabbitMq, Streamer};
-
-/// The binary under test.
-fn bin() -> String {
-    std::env::var("PGOUTBOX_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").into())
-}
-
-/// Runs the binary to completion with `args` and extra environment `env`; inherited
-/// `PGOUTBOX_*` variables (other than `PGOUTBOX_TEST_*`) are removed.
-fn pgoutbox_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = std::process::Command::new(bin());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("PGOUTBOX_") && !k.starts_with("PGOUTBOX_TEST_") {
-            cmd.env_remove(k);
-        }
-    }
-    // Tests run in parallel: no two may take the default metrics address.
-    cmd.env("PGOUTBOX_HTTP_ADDR", "off");
-    cmd.args(args)
-        .envs(env.iter().copied())
-        .env("NO_COLOR", "1")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run pgoutbox")
-}
-
-fn pgoutbox(args: &[&str]) -> Output {
-    pgoutbox_env(args, &[])
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// `(exit code, stderr)`, for assertion messages that show what happened.
 fn outcome(out: &Output) -> (Option<i32>, String) {
@@ -273,14 +238,7 @@ async fn options_are_read_from_environment_variables() {
     assert_eq!(status["holder"], "pgoutbox-from_env", "{status}");
     let log = streamer.log();
     assert!(log.contains("max_in_flight=7"), "{log}");
-    streamer.sigterm();
-    assert_eq!(
-        streamer
-            .wait_exit(scaled(Duration::from_secs(20)))
-            .await
-            .map(|s| s.success()),
-        Some(true)
-    );
+    streamer.stop_ok(scaled(Duration::from_secs(20))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,10 +5,10 @@
 //! One database per test on the shared Postgres and RabbitMQ.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::amqp::HeaderKind;
+use crate::support::cli::pgoutbox_env;
 use crate::support::{scaled, Outbox, Postgres, RabbitMq, Received};
 
 const COMMIT_TIME_US: &str = "x-pgoutbox-commit-time-us";
@@ -161,28 +161,6 @@ async fn colon_prefix_and_a_given_source() {
     }
 }
 
-/// Runs the binary to completion (at most 30 s) with inherited `PGOUTBOX_*` variables
-/// removed and `env` added.
-fn pgoutbox(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgoutbox"));
-    for (k, _) in std::env::vars_os() {
-        let ks = k.to_string_lossy();
-        if ks.starts_with("PGOUTBOX_") && !ks.starts_with("PGOUTBOX_TEST_") {
-            cmd.env_remove(&k);
-        }
-    }
-    let started = Instant::now();
-    let out = cmd
-        .env("NO_COLOR", "1")
-        .env("PGOUTBOX_HTTP_ADDR", "off")
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .expect("run pgoutbox");
-    assert!(started.elapsed() < Duration::from_secs(30));
-    out
-}
-
 /// `run` with unreachable servers: settings are checked before anything connects.
 fn run_refused(extra: &[&str], env: &[(&str, &str)]) -> String {
     let mut args = vec![
@@ -193,7 +171,7 @@ fn run_refused(extra: &[&str], env: &[(&str, &str)]) -> String {
         "amqp://g:g@127.0.0.1:1/%2f",
     ];
     args.extend_from_slice(extra);
-    let out = pgoutbox(&args, env);
+    let out = pgoutbox_env(&args, env);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {stderr}");
     stderr

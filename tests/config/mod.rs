@@ -1,29 +1,11 @@
 //! `--config FILE` (precedence flag > env > file > default, errors naming the key and the
 //! file) and `pgoutbox check` (read-only inspection of both servers) against real servers.
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
+use crate::support::cli::pgoutbox_env;
 use crate::support::{scaled, unique, wait_until, Outbox, Postgres, RabbitMq, Streamer};
-
-/// Runs the binary under test (or `PGOUTBOX_TEST_BIN`) to completion, with inherited
-/// `PGOUTBOX_*` variables removed and `env` added.
-fn pgoutbox(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let program = std::env::var("PGOUTBOX_TEST_BIN")
-        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").to_owned());
-    let mut cmd = Command::new(program);
-    for (k, _) in std::env::vars_os() {
-        let ks = k.to_string_lossy();
-        if ks.starts_with("PGOUTBOX_") && !ks.starts_with("PGOUTBOX_TEST_") {
-            cmd.env_remove(&k);
-        }
-    }
-    cmd.env("NO_COLOR", "1")
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .expect("run pgoutbox")
-}
 
 fn text(out: &Output) -> String {
     format!(
@@ -135,7 +117,7 @@ async fn check_reports_a_healthy_setup_and_the_winning_setting() {
     ));
     let slots_before =
         ob.sql("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()");
-    let out = pgoutbox(&["check", "--config", &file.path], &[]);
+    let out = pgoutbox_env(&["check", "--config", &file.path], &[]);
     let all = text(&out);
     println!("{all}");
     assert_eq!(out.status.code(), Some(0), "{all}");
@@ -162,7 +144,7 @@ async fn check_reports_a_healthy_setup_and_the_winning_setting() {
     // The variable beats the file, the flag beats both; `check` names the slot it looked at.
     let env_slot = unique("cfg_env_slot");
     let flag_slot = unique("cfg_flag_slot");
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &["check", "--config", &file.path],
         &[("PGOUTBOX_SLOT", &env_slot)],
     );
@@ -176,7 +158,7 @@ async fn check_reports_a_healthy_setup_and_the_winning_setting() {
         Some(1),
         "a missing slot stops run: {all}"
     );
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &["check", "--config", &file.path, "--slot", &flag_slot],
         &[("PGOUTBOX_SLOT", &env_slot)],
     );
@@ -193,7 +175,7 @@ async fn check_reports_a_healthy_setup_and_the_winning_setting() {
     // A missing exchange is a warning (run declares it); check declares nothing.
     let missing_x = unique("cfg_missing_x");
     for _ in 0..2 {
-        let out = pgoutbox(
+        let out = pgoutbox_env(
             &["check", "--config", &file.path, "--exchange", &missing_x],
             &[],
         );
@@ -232,7 +214,7 @@ fn bad_config_files_name_the_key_and_the_file() {
     for sub in ["run", "check"] {
         for (contents, want) in cases {
             let file = ConfigFile::new(contents);
-            let out = pgoutbox(&[sub, "--config", &file.path], &[]);
+            let out = pgoutbox_env(&[sub, "--config", &file.path], &[]);
             let all = text(&out);
             println!("{sub}: {all}");
             assert_eq!(out.status.code(), Some(2), "{all}");
@@ -245,7 +227,7 @@ fn bad_config_files_name_the_key_and_the_file() {
         }
         // PGOUTBOX_CONFIG names the file too.
         let file = ConfigFile::new("slott = \"s\"\n");
-        let out = pgoutbox(&[sub], &[("PGOUTBOX_CONFIG", &file.path)]);
+        let out = pgoutbox_env(&[sub], &[("PGOUTBOX_CONFIG", &file.path)]);
         let all = text(&out);
         assert_eq!(out.status.code(), Some(2), "{all}");
         assert!(all.contains("unknown key \"slott\""), "{all}");
@@ -259,7 +241,7 @@ async fn check_names_the_fix_for_wal_level_replica() {
     let db = pg.create_database("cfg_replica").await;
     let url = pg.url(&db);
     let amqp = RabbitMq::shared().url();
-    let out = pgoutbox(&["check", "--database-url", &url, "--amqp-url", &amqp], &[]);
+    let out = pgoutbox_env(&["check", "--database-url", &url, "--amqp-url", &amqp], &[]);
     let all = text(&out);
     println!("{all}");
     assert_eq!(out.status.code(), Some(1), "{all}");
@@ -277,7 +259,7 @@ async fn check_names_the_fix_for_a_role_without_replication() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "cfg_norepl").await;
     let url = pg.url_as("norepl", "", &ob.db);
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             "check",
             "--database-url",

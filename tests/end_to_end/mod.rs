@@ -130,10 +130,8 @@ async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
     // The slot moved past everything once confirmed.
     let last_commit = lsn(&got.last().unwrap().headers["x-pgoutbox-commit-lsn"]);
     assert!(
-        support::wait_until(scaled(Duration::from_secs(15)), || async {
-            ob.confirmed_flush() > last_commit
-        })
-        .await,
+        ob.flushed_past(last_commit, scaled(Duration::from_secs(15)))
+            .await,
         "confirmed_flush_lsn moved past the last commit (started at {before:X})"
     );
     streamer.sigterm();

@@ -4,21 +4,8 @@
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
+use crate::support::cli::{pgoutbox, stderr};
 use crate::support::{self, scaled, Outbox, Postgres, RabbitMq, Streamer};
-
-fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn pgoutbox(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
-        .args(args)
-        .env("NO_COLOR", "1")
-        // Tests run in parallel: no two may take the default metrics address.
-        .env("PGOUTBOX_HTTP_ADDR", "off")
-        .output()
-        .expect("run pgoutbox")
-}
 
 /// A TCP listener that completes the TCP handshake (the kernel does, from its backlog) and
 /// never sends a byte: what a hung server or a black-holing middlebox looks like.
@@ -183,11 +170,7 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
             && log.contains(&journal_grant),
         "{log}"
     );
-    run.sigterm();
-    assert!(run
-        .wait_exit(scaled(Duration::from_secs(20)))
-        .await
-        .is_some());
+    run.stop(scaled(Duration::from_secs(20))).await;
     // --journal without INSERT on outbox.journal: refused up front, with the GRANT.
     let run = ob.run_with_url(&role_url, &["--exchange", &exchange, "--journal"]);
     let exit = run.wait_exit(scaled(Duration::from_secs(30))).await;

@@ -288,16 +288,14 @@ async fn drill_crash_after_commit_before_the_streamer_saw_it() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "drill_commit").await;
     let streamer = ob.run(&[]);
-    let seen_lsn = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'seen')"));
+    let seen_lsn = ob.emit("d", "seen");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
     // 'seen' acknowledged to Postgres (its commit, past the message's LSN) before the
     // freeze: the restart must send exactly the unseen one, not 'seen' again. The
     // consumer's receipt alone does not say the status update went out.
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() > seen_lsn
-        })
-        .await,
+        ob.flushed_past(seen_lsn, scaled(Duration::from_secs(20)))
+            .await,
         "the slot never acknowledged 'seen':\n{}",
         streamer.log()
     );
@@ -339,10 +337,7 @@ async fn drill_crash_after_broker_confirm_before_status_update() {
         "200",
     ]);
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > last_of_first_batch
-        })
-        .await,
+        ob.flushed_past(last_of_first_batch, scaled(Duration::from_secs(30))).await,
         "the first 1,000 are acknowledged: confirmed_flush_lsn {:X}, the 1,000th at {last_of_first_batch:X}\n{}",
         ob.confirmed_flush(),
         crashing.log()
@@ -470,10 +465,8 @@ async fn one_large_transaction_streams_with_bounded_memory() {
         .expect("commit LSN header");
     let _ = conn.close(200, "bye".into()).await;
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > commit_lsn
-        })
-        .await,
+        ob.flushed_past(commit_lsn, scaled(Duration::from_secs(30)))
+            .await,
         "the slot moves past the transaction once all {n} are confirmed"
     );
     eprintln!("large transaction: {n} messages, emit {emitted_s:.1} s, stream {streamed_s:.1} s, streamer peak RSS {} MB", hwm_kb / 1024);
@@ -545,10 +538,8 @@ async fn case_c2_broker_connections_closed_then_crash() {
     // slot to where the last one left it).
     let resumed_slot = ob.confirmed_flush();
     assert!(
-        support::wait_until(scaled(Duration::from_secs(10)), || async {
-            ob.confirmed_flush() > resumed_slot
-        })
-        .await,
+        ob.flushed_past(resumed_slot, scaled(Duration::from_secs(10)))
+            .await,
         "the slot advances in the session after the reconnect: stuck at {resumed_slot:X}\n{}",
         streamer.log()
     );

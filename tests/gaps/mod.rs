@@ -63,16 +63,7 @@ async fn stream_and_stop(ob: &Outbox<'_>, prefix: &str, n: usize) {
         "the slot advanced past the messages:\n{}",
         streamer.log()
     );
-    streamer.sigterm();
-    assert_eq!(
-        streamer
-            .wait_exit(scaled(Duration::from_secs(30)))
-            .await
-            .map(|s| s.success()),
-        Some(true),
-        "{}",
-        streamer.log()
-    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
     let rec = recorded(ob);
     assert!(
         lsn(&rec) >= ob.confirmed_flush(),

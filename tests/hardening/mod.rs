@@ -65,7 +65,7 @@ async fn a_stuck_front_bounds_what_is_read_behind_it_by_the_window() {
         window.as_str(),
     ];
     let streamer = ob.run(&args);
-    let stuck_lsn = lsn(&ob.sql("SELECT outbox.emit('later.1', '{}', '{}', 'held')"));
+    let stuck_lsn = ob.emit("later.1", "held");
     assert!(
         streamer
             .wait_for_log(
@@ -155,11 +155,7 @@ async fn a_stuck_front_bounds_what_is_read_behind_it_by_the_window() {
         duplicates <= bound,
         "{duplicates} duplicates after a crash with a window of {WINDOW}"
     );
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// Section 2: once a message that was unconfirmed during a burst of unrelated WAL is
@@ -223,11 +219,7 @@ async fn idle_lag_comes_down_after_a_busy_period_without_new_wal() {
         streamer.log()
     );
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(10))).await.len(), 1);
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// Section 3: a message under `--max-message-bytes` but over the broker's
@@ -296,11 +288,7 @@ async fn a_message_the_broker_refuses_for_its_size_is_dead_lettered() {
         streamer.log_count("session failed; reconnecting"),
         reconnects
     );
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// Section 4: a lock on `outbox.dead_letter` neither stops status updates nor deadlocks;
@@ -378,16 +366,10 @@ async fn a_locked_dead_letter_table_stalls_nothing_but_that_message() {
         streamer.log()
     );
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > lsn(&stuck)
-        })
-        .await
+        ob.flushed_past(lsn(&stuck), scaled(Duration::from_secs(30)))
+            .await
     );
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// Section 5: losing the broker during the SIGTERM drain exits non-zero, with nothing
@@ -405,7 +387,7 @@ async fn a_drain_interrupted_by_the_broker_exits_non_zero() {
         .await
     );
     rmq.block();
-    let at = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'drained')"));
+    let at = ob.emit("d", "drained");
     // The streamer read the transaction (and so published its message) before the signal.
     assert!(
         streamer
@@ -479,11 +461,7 @@ async fn signals_end_every_wait_promptly() {
         t0.elapsed(),
         standby.log()
     );
-    active.sigterm();
-    assert!(active
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some_and(|s| s.success()));
+    active.stop_ok(scaled(Duration::from_secs(30))).await;
     // A broker address that accepts TCP and never answers the AMQP handshake.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = silent.local_addr().unwrap().port();
@@ -557,9 +535,5 @@ async fn broker_max_message_bytes_is_checked_before_publishing() {
         "{}",
         streamer.log()
     );
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some_and(|s| s.success()));
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }

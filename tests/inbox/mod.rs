@@ -686,11 +686,7 @@ async fn duplicates_published_on_purpose_are_applied_once() {
     })
     .await;
     assert!(done, "not drained: {:?}\n{}", rig.applied(), consumer.log());
-    consumer.sigterm();
-    assert!(consumer
-        .wait_exit(scaled(Duration::from_secs(10)))
-        .await
-        .is_some());
+    consumer.stop(scaled(Duration::from_secs(10))).await;
     // With no consumer left, anything unacked would be back in the ready count.
     assert_eq!(rig.queue_len(&rig.queue).await, 0, "every delivery acked");
     assert_eq!(rig.applied(), (190, 190), "each new id applied once");
@@ -751,11 +747,7 @@ async fn a_consumer_killed_mid_batch_and_restarted_applies_each_event_once() {
     })
     .await;
     assert!(done, "not drained: {:?}\n{}", rig.applied(), second.log());
-    second.sigterm();
-    assert!(second
-        .wait_exit(scaled(Duration::from_secs(10)))
-        .await
-        .is_some());
+    second.stop(scaled(Duration::from_secs(10))).await;
     assert_eq!(
         rig.applied(),
         (n as i64, n as i64),

@@ -7,24 +7,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use crate::support::cli::pgoutbox;
 use crate::support::{self, scaled, Outbox, Postgres, RabbitMq, Received};
 
 const IDLE: Duration = Duration::from_secs(15);
-
-/// Runs `pgoutbox ARGS` to completion (no inherited `PGOUTBOX_*` variables).
-fn pgoutbox(args: &[&str]) -> std::process::Output {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"));
-    for (k, _) in std::env::vars_os() {
-        let ks = k.to_string_lossy();
-        if ks.starts_with("PGOUTBOX_") && !ks.starts_with("PGOUTBOX_TEST_") {
-            cmd.env_remove(&k);
-        }
-    }
-    cmd.args(args)
-        .env("NO_COLOR", "1")
-        .output()
-        .expect("run pgoutbox")
-}
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
@@ -107,10 +93,7 @@ async fn journal_holds_one_row_per_confirmed_message_and_prints_them() {
         .max()
         .unwrap();
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() > last
-        })
-        .await,
+        ob.flushed_past(last, scaled(Duration::from_secs(20))).await,
         "the slot moved past every message"
     );
     stop(&streamer).await;
@@ -244,10 +227,7 @@ async fn a_failing_journal_never_holds_back_delivery() {
         .unwrap();
     assert!(last < end);
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() > last
-        })
-        .await,
+        ob.flushed_past(last, scaled(Duration::from_secs(20))).await,
         "the slot moved past every message"
     );
     stop(&streamer).await;

@@ -37,7 +37,7 @@ async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
     );
     rmq.block();
     let commits = streamer.log_count(": commit end_lsn=");
-    let held = lsn(&ob.sql("SELECT outbox.emit('d', '{}', '{}', 'held')"));
+    let held = ob.emit("d", "held");
     wait_in_flight(&streamer, commits, 1).await;
     let t = Instant::now();
     streamer.sigterm();
@@ -85,13 +85,10 @@ async fn sigint_with_nothing_in_flight_exits_zero() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "life_sigint").await;
     let streamer = ob.run(&[]);
-    let last = lsn(&ob.sql("SELECT outbox.emit('i', '{}', '{}', 'before-sigint')"));
+    let last = ob.emit("i", "before-sigint");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(20))).await.len(), 1);
     assert!(
-        support::wait_until(scaled(Duration::from_secs(10)), || async {
-            ob.confirmed_flush() > last
-        })
-        .await,
+        ob.flushed_past(last, scaled(Duration::from_secs(10))).await,
         "nothing is in flight before the signal"
     );
     let t = Instant::now();
@@ -168,12 +165,9 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
         "a new session starts:\n{}",
         streamer.log()
     );
-    let last = lsn(&ob.sql("SELECT outbox.emit('l', '{}', '{}', 'after')"));
+    let last = ob.emit("l", "after");
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > last
-        })
-        .await,
+        ob.flushed_past(last, scaled(Duration::from_secs(30))).await,
         "{}",
         streamer.log()
     );
@@ -370,10 +364,7 @@ async fn log_of_a_run_with_secrets(extra: &[&str]) -> String {
     assert_eq!(got.len(), 1, "{}", streamer.log());
     assert!(got[0].body_str().contains(&marker));
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() > last
-        })
-        .await,
+        ob.flushed_past(last, scaled(Duration::from_secs(20))).await,
         "{}",
         streamer.log()
     );
@@ -383,16 +374,7 @@ async fn log_of_a_run_with_secrets(extra: &[&str]) -> String {
         "{}",
         streamer.log()
     );
-    streamer.sigterm();
-    assert_eq!(
-        streamer
-            .wait_exit(scaled(Duration::from_secs(20)))
-            .await
-            .map(|s| s.success()),
-        Some(true),
-        "{}",
-        streamer.log()
-    );
+    streamer.stop_ok(scaled(Duration::from_secs(20))).await;
     let log = streamer.log();
     rmq.ctl_ok(&["delete_user", &amqp_user]);
     let as_bytes = |s: &str| {

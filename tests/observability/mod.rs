@@ -227,11 +227,7 @@ async fn metrics_follow_a_stream_and_a_blocked_broker() {
             .await
     );
     assert_healthy(port, &streamer);
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// `/readyz` turns 503 when RabbitMQ stops (`stop_app`) and 200 when it is back;
@@ -271,11 +267,7 @@ async fn readyz_follows_the_broker_going_away_and_back() {
     // And it streams again.
     ob.sql("SELECT outbox.emit('obs', '{}', '{}', 'obs-after')");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
 /// An `--http-addr` that cannot be listened on (a port in use) or that does not parse fails

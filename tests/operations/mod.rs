@@ -6,21 +6,8 @@ use std::time::Duration;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
+use crate::support::cli::{pgoutbox, stderr};
 use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq};
-
-fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn pgoutbox(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
-        .args(args)
-        .env("NO_COLOR", "1")
-        // Tests run in parallel: no two may take the default metrics address.
-        .env("PGOUTBOX_HTTP_ADDR", "off")
-        .output()
-        .expect("run pgoutbox")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_names_the_setting_the_value_and_the_fix() {
@@ -507,8 +494,7 @@ async fn minimal_properties_carry_only_the_id_and_the_producer_headers() {
     let queue = support::unique("ops_minimal_q");
     support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
     ob.sql(r#"SELECT outbox.emit('ok.1', '{"a": 1}', '{"tenant": "t1", "n": 7}', 'min-1')"#);
-    let returned_lsn =
-        lsn(&ob.sql("SELECT outbox.emit('nobody.home', '{}', '{}', 'min-unroutable')"));
+    let returned_lsn = ob.emit("nobody.home", "min-unroutable");
     ob.sql(
         "SELECT outbox.emit_bytes('ok.2', '\\x00ff'::bytea, 'application/x-raw', '{}', 'min-2')",
     );
@@ -543,10 +529,8 @@ async fn minimal_properties_carry_only_the_id_and_the_producer_headers() {
         got[1].header_values
     );
     assert!(
-        support::wait_until(scaled(Duration::from_secs(10)), || async {
-            ob.confirmed_flush() > returned_lsn
-        })
-        .await,
+        ob.flushed_past(returned_lsn, scaled(Duration::from_secs(10)))
+            .await,
         "the slot moves on once the return is durably dead-lettered:\n{}",
         streamer.log()
     );
@@ -570,10 +554,8 @@ async fn unroutable_message_is_dead_lettered_and_the_stream_goes_on() {
     let ids: Vec<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
     assert_eq!(ids, ["ok-1", "ok-2"], "{}", streamer.log());
     assert!(
-        support::wait_until(scaled(Duration::from_secs(10)), || async {
-            ob.confirmed_flush() > returned_lsn
-        })
-        .await,
+        ob.flushed_past(returned_lsn, scaled(Duration::from_secs(10)))
+            .await,
         "the slot moves on once the return is durably dead-lettered"
     );
     assert_eq!(dead_letters(&ob), [row("unroutable", "returned", "1")]);
@@ -631,7 +613,7 @@ async fn unroutable_message_under_block_policy_holds_the_slot_until_routable() {
     let exchange = support::unique("ops_block_policy_x");
     let queue = support::unique("ops_block_policy_q");
     support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
-    let stuck_lsn = lsn(&ob.sql("SELECT outbox.emit('later.1', '{}', '{}', 'held')"));
+    let stuck_lsn = ob.emit("later.1", "held");
     ob.sql("SELECT outbox.emit('ok.1', '{}', '{}', 'after-held')");
     let streamer = ob.run(&["--exchange", &exchange, "--on-unroutable", "block"]);
     assert!(
@@ -652,10 +634,8 @@ async fn unroutable_message_under_block_policy_holds_the_slot_until_routable() {
     // An operator binds a queue: the retry goes through and the slot moves on.
     support::declare_bound_queue(&url, &exchange, &queue, "later.#").await;
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > stuck_lsn
-        })
-        .await,
+        ob.flushed_past(stuck_lsn, scaled(Duration::from_secs(30)))
+            .await,
         "{}",
         streamer.log()
     );
@@ -687,10 +667,8 @@ async fn nacked_message_is_retried_then_dead_lettered_then_requeued() {
     let nacked_lsn = lsn(&ob.sql("SELECT outbox.emit('a', '{\"n\": 2}', '{}', 'rejected')"));
     let streamer = ob.run(&["--exchange", &exchange, "--max-attempts", "3"]);
     assert!(
-        support::wait_until(scaled(Duration::from_secs(30)), || async {
-            ob.confirmed_flush() > nacked_lsn
-        })
-        .await,
+        ob.flushed_past(nacked_lsn, scaled(Duration::from_secs(30)))
+            .await,
         "{}",
         streamer.log()
     );
@@ -737,7 +715,7 @@ async fn poison_and_oversized_messages_are_dead_lettered_raw() {
     ob.sql(
         "SELECT outbox.emit('t', jsonb_build_object('big', repeat('x', 2000)), '{}', 'too-big')",
     );
-    let last = lsn(&ob.sql("SELECT outbox.emit('t', '{}', '{}', 'after')"));
+    let last = ob.emit("t", "after");
     let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
     assert_eq!(
         got.iter()
@@ -766,14 +744,7 @@ async fn poison_and_oversized_messages_are_dead_lettered_raw() {
         raw.contains("not from outbox.emit") && raw.contains("not an envelope"),
         "{raw}"
     );
-    streamer.sigterm();
-    assert_eq!(
-        streamer
-            .wait_exit(scaled(Duration::from_secs(20)))
-            .await
-            .map(|s| s.success()),
-        Some(true)
-    );
+    streamer.stop_ok(scaled(Duration::from_secs(20))).await;
 }
 
 /// Messages of the window tests: 5,000 of about 8 KB each (about 40 MB of WAL).
@@ -812,7 +783,7 @@ async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u
         .await
     );
     rmq.block();
-    let first_lsn = lsn(&ob.sql("SELECT outbox.emit('b', '{}', '{}', 'b-0')"));
+    let first_lsn = ob.emit("b", "b-0");
     let per_txn = WINDOW_TEST_MESSAGES / 5;
     for t in 0..5 {
         ob.sql(&format!(

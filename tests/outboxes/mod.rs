@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::support::cli::{stderr, stdout};
 use crate::support::{
     declare_bound_queue, drain_queue, scaled, unique, Outbox, Postgres, RabbitMq, Streamer,
 };
@@ -91,14 +92,6 @@ impl<'a> Service<'a> {
     fn emit(&self, tag: &str, n: usize) -> String {
         emit(self.ob, &self.schema, tag, n)
     }
-}
-
-fn stdout(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Emits `n` messages through `schema.emit`, ids `{tag}-{i}`, in one transaction; returns

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
+use crate::support::cli::pgoutbox_env;
 use crate::support::{
     declare_bound_queue, drain_queue, free_port, scaled, unique, Postgres, RabbitMq, Streamer,
 };
@@ -22,21 +23,6 @@ const MARK: &str = "Sekr1tXq9";
 const PG_PASSWORD: &str = "Sekr1tXq9-pg@ss/w:rd?#";
 const AMQP_PASSWORD: &str = "Sekr1tXq9-mq@ss/w:rd%";
 const WRONG_PASSWORD: &str = "Sekr1tXq9-wrong";
-
-fn pgoutbox(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"));
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("PGOUTBOX_") {
-            cmd.env_remove(&k);
-        }
-    }
-    cmd.args(args)
-        .env("NO_COLOR", "1")
-        .env("PGOUTBOX_HTTP_ADDR", "off")
-        .envs(env.iter().copied())
-        .output()
-        .expect("run pgoutbox")
-}
 
 fn text(out: &Output) -> String {
     format!(
@@ -138,7 +124,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     let names = ["--slot", &slot, "--publication", &publication];
 
     // setup, the URL on the command line (real SCRAM with the password).
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[&["setup", "--database-url", &pg_url][..], &names].concat(),
         &[],
     );
@@ -147,7 +133,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     declare_bound_queue(&rabbit.url(), &exchange, &queue, "#").await;
 
     // status --json, the URL from PGOUTBOX_DATABASE_URL.
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[&["status", "--json"][..], &names].concat(),
         &[("PGOUTBOX_DATABASE_URL", &pg_url)],
     );
@@ -159,7 +145,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     seen.add("status --json (env)", text(&out));
 
     // check, both URLs from files (flag and variable).
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             &[
                 "check",
@@ -177,7 +163,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     seen.add("check (url files)", text(&out));
 
     // status with the password alone from a file.
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             &["status", "--json", "--database-url", &pg_url_nopw][..],
             &names,
@@ -194,7 +180,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
 
     // Failing cases: a wrong password, a wrong port, a wrong broker password, an
     // unreadable file, the URL given twice.
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             &["status", "--json", "--database-url", &pg_url_wrong][..],
             &names,
@@ -212,7 +198,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     let dead_port = free_port();
     let pg_url_dead = pg_url.replace(&format!(":{}/", pg.port()), &format!(":{dead_port}/"));
     assert_ne!(pg_url_dead, pg_url);
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[&["setup", "--database-url", &pg_url_dead][..], &names].concat(),
         &[],
     );
@@ -225,7 +211,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
         ("wrong password", &amqp_url_wrong),
         ("wrong port", &amqp_url_dead),
     ] {
-        let out = pgoutbox(
+        let out = pgoutbox_env(
             &[
                 &[
                     "check",
@@ -245,7 +231,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
         assert!(text(&out).contains("RabbitMQ"), "{}", text(&out));
         seen.add(format!("check (broker {what})"), text(&out));
     }
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             &["setup", "--database-url-file", "/nonexistent/pg_url"][..],
             &names,
@@ -261,7 +247,7 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
         "{}",
         text(&out)
     );
-    let out = pgoutbox(
+    let out = pgoutbox_env(
         &[
             &[
                 "status",

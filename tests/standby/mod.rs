@@ -455,9 +455,5 @@ async fn a_multi_host_url_skips_a_read_only_server_on_both_connections() {
             .trim(),
         "0"
     );
-    streamer.sigterm();
-    assert!(streamer
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    streamer.stop(scaled(Duration::from_secs(30))).await;
 }

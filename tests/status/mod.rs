@@ -8,11 +8,8 @@
 use std::process::Output;
 use std::time::Duration;
 
+use crate::support::cli::bin;
 use crate::support::{self, scaled, Outbox, Postgres, RabbitMq, Streamer};
-
-fn bin() -> String {
-    std::env::var("PGOUTBOX_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").into())
-}
 
 /// Runs `pgoutbox ARGS --database-url … --slot …` through [`bin`].
 fn cmd(ob: &Outbox<'_>, args: &[&str]) -> Output {

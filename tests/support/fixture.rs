@@ -148,6 +148,20 @@ impl<'a> Outbox<'a> {
         text.trim().parse::<f64>().expect("confirmed_flush_lsn") as u64
     }
 
+    /// Waits up to `timeout` until the slot's confirmed_flush_lsn is past `lsn` (a message's
+    /// LSN: its commit, after it, has been acknowledged); false when it never was.
+    pub async fn flushed_past(&self, lsn: u64, timeout: Duration) -> bool {
+        super::wait_until(timeout, || async { self.confirmed_flush() > lsn }).await
+    }
+
+    /// Emits one message in its own transaction (`outbox.emit(topic, '{}', '{}', id)`, as
+    /// the superuser) and returns its LSN.
+    pub fn emit(&self, topic: &str, id: &str) -> u64 {
+        lsn(&self.sql(&format!(
+            "SELECT outbox.emit('{topic}', '{{}}', '{{}}', '{id}')"
+        )))
+    }
+
     /// `pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)` for the slot.
     pub fn lag_bytes(&self) -> i64 {
         let text = self.sql(&format!(

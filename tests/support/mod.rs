@@ -22,6 +22,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod amqp;
+pub mod cli;
 pub mod cluster;
 pub mod fake_broker;
 pub mod fixture;

@@ -162,6 +162,32 @@ impl Streamer {
         }
     }
 
+    /// SIGTERM, then waits up to `timeout` for the exit and returns its status; panics,
+    /// showing the log, when the process is still running by then.
+    pub async fn stop(&self, timeout: Duration) -> ExitStatus {
+        self.sigterm();
+        match self.wait_exit(timeout).await {
+            Some(status) => status,
+            None => panic!(
+                "pgoutbox (pid {}) still running {timeout:?} after SIGTERM:\n{}",
+                self.pid,
+                self.log()
+            ),
+        }
+    }
+
+    /// Like [`Streamer::stop`], and the exit must be clean (status 0); panics with the log
+    /// otherwise.
+    pub async fn stop_ok(&self, timeout: Duration) {
+        let status = self.stop(timeout).await;
+        assert!(
+            status.success(),
+            "pgoutbox (pid {}) exited {status} after SIGTERM, not 0:\n{}",
+            self.pid,
+            self.log()
+        );
+    }
+
     /// Everything logged so far.
     pub fn log(&self) -> String {
         std::fs::read(&self.log_path)
