@@ -15,5 +15,14 @@ cd "$(dirname "$0")/.."
 bash deploy/stack.sh install
 # One cargo invocation for both: built apart, the binary alone and the example (with the
 # dev-dependencies) unify features differently, and each build recompiles the library.
+#
+# PGOUTBOX_BENCH_PROFILE=dev (CI's smoke, after `cargo test` built the dev profile) runs the
+# dev build instead of compiling everything a second time with optimisations: it checks
+# that the benchmark runs end to end, and its figures are not the release build's.
+if [ "${PGOUTBOX_BENCH_PROFILE:-release}" = dev ]; then
+    cargo build --bin pgoutbox --example bench
+    PGOUTBOX_BENCH_BIN="$PWD/target/debug/pgoutbox" PGOUTBOX_BENCH_SKIP_BUILD=1 \
+        exec target/debug/examples/bench "$@"
+fi
 cargo build --release --bin pgoutbox --example bench
 PGOUTBOX_BENCH_SKIP_BUILD=1 exec target/release/examples/bench "$@"

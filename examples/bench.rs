@@ -128,6 +128,15 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The pgoutbox binary measured: `target/release/pgoutbox`, or `PGOUTBOX_BENCH_BIN` (CI's
+/// smoke runs the dev build it already has, to check the benchmark end to end without a
+/// second, optimised compile; its figures are then not the release build's).
+fn pgoutbox_bin() -> PathBuf {
+    std::env::var_os("PGOUTBOX_BENCH_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/release/pgoutbox"))
+}
+
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
@@ -1071,7 +1080,7 @@ fn prepare_node_peer(log_dir: &Path) -> Result<NodePeer, String> {
 /// Whether the release binary has `--publish-properties` (an older one ignores the
 /// environment variable and sends the full shape).
 fn binary_has_publish_properties() -> bool {
-    let out = Command::new(root().join("target/release/pgoutbox"))
+    let out = Command::new(pgoutbox_bin())
         .args(["run", "--help"])
         .output();
     matches!(out, Ok(o) if String::from_utf8_lossy(&o.stdout).contains("--publish-properties"))
@@ -1108,7 +1117,7 @@ impl Streamer {
                     Relay::Pgoutbox(shape, metrics) => (shape, metrics),
                     _ => (Shape::Full, Metrics::On),
                 };
-                let mut cmd = Command::new(root().join("target/release/pgoutbox"));
+                let mut cmd = Command::new(pgoutbox_bin());
                 if relay == Relay::PgoutboxJournal {
                     // The variable too would do; the flag fails loudly on a binary without it.
                     cmd.env("PGOUTBOX_JOURNAL", "true");
@@ -1426,7 +1435,7 @@ async fn fresh_db(ctx: &Ctx, db: &str) -> R<String> {
     )
     .await?;
     let url = ctx.stack.db_url(db)?;
-    let bin = root().join("target/release/pgoutbox");
+    let bin = pgoutbox_bin();
     run_cmd(
         &format!("pgoutbox setup in {db}"),
         &bin,
@@ -2736,6 +2745,13 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     if std::env::var_os("PGOUTBOX_BENCH_SKIP_BUILD").is_none() {
         build_pgoutbox()?;
     }
+    if std::env::var_os("PGOUTBOX_BENCH_BIN").is_some() {
+        eprintln!(
+            "bench: NOTE: measuring {} (PGOUTBOX_BENCH_BIN), not the release build: a smoke \
+             of the benchmark, its figures are not the product's",
+            pgoutbox_bin().display()
+        );
+    }
     let stamp = sh("date", &["-u", "+%Y%m%dT%H%M%SZ"]);
     let dir = PathBuf::from(format!("/tmp/pgoutbox-bench-{}", std::process::id()));
     eprintln!("bench: starting the stack in {}", dir.display());
@@ -2767,8 +2783,9 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     let has_publish_properties = binary_has_publish_properties();
     if !has_publish_properties {
         eprintln!(
-            "bench: NOTE: target/release/pgoutbox has no --publish-properties: its \"minimal\" \
-             rows send the full shape (the table says what arrived)"
+            "bench: NOTE: {} has no --publish-properties: its \"minimal\" \
+             rows send the full shape (the table says what arrived)",
+            pgoutbox_bin().display()
         );
     }
     let ctx = Ctx {

@@ -36,6 +36,7 @@ pub mod lockdown;
 pub mod lsn;
 pub mod metrics;
 pub mod outbox_schema;
+pub mod partition;
 pub mod pem;
 pub mod pgoutput;
 pub mod pipeline;

@@ -18,12 +18,12 @@ use clap::Args;
 use super::{parse_idempotency_retention, parse_journal_retention, parse_whole_number, DbArgs};
 use crate::config::{
     AllowedExchanges, AmqpUrlOrder, BrokerSettings, ExchangeDeclare, JournalMode,
-    ObservabilitySettings, PipelineBounds, PostgresSettings, PublishProperties, PublishingSettings,
-    Retention, RetentionSettings, RunConfig, RunSettings, UnroutablePolicy, ValidationError,
-    DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION,
-    DEFAULT_READ_COALESCE, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT_BUSY_TIMEOUT,
-    DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
+    ObservabilitySettings, PartitionKey, Partitions, PipelineBounds, PostgresSettings,
+    PublishProperties, PublishingSettings, Retention, RetentionSettings, RunConfig, RunSettings,
+    UnroutablePolicy, ValidationError, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
+    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT_BUSY_TIMEOUT, DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 use crate::secrets::{Secret, Sources, Target};
@@ -159,6 +159,32 @@ pub struct BrokerArgs {
     /// reason exchange_not_found. For users without configure permission.
     #[arg(long, env = "PGOUTBOX_NO_DECLARE")]
     pub no_declare: bool,
+    /// Publish over this many AMQP connections, 1 to 64, each with its own channel and
+    /// confirm window; every message goes to the partition of its key (--partition-key),
+    /// so one key's messages stay in commit order while different keys go side by side.
+    /// With several --amqp-url nodes, partition i starts at node i mod the number of
+    /// nodes. The window (--max-in-flight) bounds all partitions together. 1: one
+    /// connection, exactly as without partitions.
+    #[arg(long, env = "PGOUTBOX_PARTITIONS", default_value_t = 1, value_parser = parse_partitions)]
+    pub partitions: u16,
+    /// What keys a message's partition under --partitions: `aggregate_id` (the default),
+    /// `tenant` or `topic`; a message without that field is keyed by its transaction.
+    /// The partition is FNV-1a 64 of the key's UTF-8 bytes modulo --partitions.
+    #[arg(long, env = "PGOUTBOX_PARTITION_KEY", value_enum, default_value_t = PartitionKeyArg::AggregateId)]
+    pub partition_key: PartitionKeyArg,
+}
+
+/// `--partitions`: a whole number from 1 to 64.
+fn parse_partitions(raw: &str) -> Result<u16, String> {
+    let n: u16 = parse_whole_number(raw)?;
+    if (1..=crate::partition::MAX_PARTITIONS).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!(
+            "use 1 to {} partitions",
+            crate::partition::MAX_PARTITIONS
+        ))
+    }
 }
 
 /// `run`'s bounds: the window, the largest message, attempts, read coalescing, drain times.
@@ -278,6 +304,18 @@ pub enum PublishPropertiesArg {
     /// Only persistent, message_id, the routing key and the producer's own headers: cheaper
     /// for the broker, but consumers lose the commit time and LSN headers.
     Minimal,
+}
+
+/// `--partition-key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PartitionKeyArg {
+    /// The envelope's aggregate_id.
+    #[value(name = "aggregate_id")]
+    AggregateId,
+    /// The envelope's tenant.
+    Tenant,
+    /// The message's topic.
+    Topic,
 }
 
 /// `--amqp-url-order`.
@@ -429,6 +467,14 @@ impl BrokerArgs {
                 ExchangeDeclare::Passive
             } else {
                 ExchangeDeclare::DurableTopic
+            },
+            partitions: Partitions {
+                count: self.partitions,
+                key: match self.partition_key {
+                    PartitionKeyArg::AggregateId => PartitionKey::AggregateId,
+                    PartitionKeyArg::Tenant => PartitionKey::Tenant,
+                    PartitionKeyArg::Topic => PartitionKey::Topic,
+                },
             },
         })
     }

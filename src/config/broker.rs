@@ -9,6 +9,7 @@
 use crate::redaction::redact_url;
 use crate::validation::ValidationError;
 
+pub use crate::partition::PartitionKey;
 pub use crate::routing::AllowedExchanges;
 
 /// Default exchange (durable topic).
@@ -34,6 +35,29 @@ pub struct BrokerSettings {
     pub allowed_exchanges: AllowedExchanges,
     /// Declare exchanges, or only check them (`--no-declare`).
     pub exchange_declare: ExchangeDeclare,
+    /// How many connections publish, and what keys a message's (`--partitions`,
+    /// `--partition-key`).
+    pub partitions: Partitions,
+}
+
+/// `run --partitions N --partition-key K`: N AMQP connections, each message to the
+/// partition of its key ([`crate::partition`] has the rule).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partitions {
+    /// 1 to [`crate::partition::MAX_PARTITIONS`]; 1 is one connection, as without
+    /// partitions.
+    pub count: u16,
+    /// The envelope field that keys a message.
+    pub key: PartitionKey,
+}
+
+impl Default for Partitions {
+    fn default() -> Self {
+        Partitions {
+            count: 1,
+            key: PartitionKey::AggregateId,
+        }
+    }
 }
 
 /// The URLs with their passwords masked.
@@ -52,6 +76,7 @@ impl std::fmt::Debug for BrokerSettings {
             .field("exchange", &self.exchange)
             .field("allowed_exchanges", &self.allowed_exchanges)
             .field("exchange_declare", &self.exchange_declare)
+            .field("partitions", &self.partitions)
             .finish()
     }
 }

@@ -38,7 +38,7 @@ pub use bounds::{
 };
 pub use broker::{
     order_amqp_urls, split_amqp_urls, validate_amqp_urls, AllowedExchanges, AmqpUrlOrder,
-    BrokerSettings, ExchangeDeclare, UrlCheck, DEFAULT_EXCHANGE,
+    BrokerSettings, ExchangeDeclare, PartitionKey, Partitions, UrlCheck, DEFAULT_EXCHANGE,
 };
 pub use database::{
     parse_database_url, split_tls_parameters, ChannelBindingMode, DatabaseConfig, PostgresTls,
@@ -180,6 +180,7 @@ mod tests {
                 exchange: DEFAULT_EXCHANGE.into(),
                 allowed_exchanges: AllowedExchanges::Any,
                 exchange_declare: ExchangeDeclare::DurableTopic,
+                partitions: Partitions::default(),
             },
             bounds: PipelineBounds::default(),
             observability: ObservabilitySettings {

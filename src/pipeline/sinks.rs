@@ -1,22 +1,24 @@
 //! Which sink a run publishes to, and connecting it: the one place in the pipeline that
 //! names an implementation of [`Sink`]. The event loop sees `&mut dyn Sink` only.
 //!
-//! Today there is one choice, [`SinkChoice::Amqp`]: one AMQP 0-9-1 connection with
-//! publisher confirms ([`AmqpSink`]) to the first of `--amqp-url`'s nodes that accepts it
-//! ([`BrokerNodes`]). The sinks to come are further variants of [`SinkChoice`], chosen in
-//! [`SinkChoice::from_config`] and connected in [`SinkChoice::connect`], and nowhere else
-//! (see [`crate::sink`] for how each plugs in):
-//! - `Partitioned { n }` (`--partitions N`, N > 1): N [`AmqpSink`]s over one connect pass,
-//!   behind `sink::partitioned`; `--partitions 1` stays [`SinkChoice::Amqp`], byte for
-//!   byte;
-//! - `Stream` (`--stream-url`, `--stream`): the stream-protocol publisher.
+//! The choices, decided once in [`SinkChoice::from_config`] and connected in
+//! [`SinkChoice::connect`], and nowhere else (see [`crate::sink`] for how each plugs in):
+//! - [`SinkChoice::Amqp`] (`--partitions 1`, the default): one AMQP 0-9-1 connection with
+//!   publisher confirms ([`AmqpSink`]) to the first of `--amqp-url`'s nodes that accepts
+//!   it ([`BrokerNodes`]): the wire is the same as before partitions existed;
+//! - [`SinkChoice::Partitioned`] (`--partitions N`, N > 1): N [`AmqpSink`]s, partition `i`
+//!   starting its connect pass at node `next + i` (so with M nodes the partitions spread
+//!   over them), behind [`PartitionedSink`];
+//! - `Stream` (`--stream-url`, `--stream`), to come: the stream-protocol publisher.
 
 use crate::config::{ExchangeDeclare, RunConfig};
 use crate::error::Error;
 use crate::metrics::Telemetry;
+use crate::partition::PartitionKey;
 use crate::publisher::connection::Declare;
 use crate::publisher::encode::Encoder;
 use crate::publisher::{AmqpSink, BrokerSignals, PublisherConfig};
+use crate::sink::partitioned::PartitionedSink;
 use crate::sink::Sink;
 
 /// The broker's nodes (`--amqp-url`, in `--amqp-url-order`) and where the next connect
@@ -36,10 +38,11 @@ pub(super) struct BrokerNodes {
 }
 
 impl BrokerNodes {
-    /// The indices of one connect pass, in the order they are tried.
-    fn pass(&self) -> impl Iterator<Item = usize> + '_ {
-        let n = self.urls.len();
-        (0..n).map(move |k| (self.next + k) % n)
+    /// The indices of one connect pass, in the order they are tried, starting `offset`
+    /// nodes after `next` (partition `i` of N uses offset `i`).
+    fn pass(&self, offset: usize) -> impl Iterator<Item = usize> + '_ {
+        let n = self.urls.len().max(1);
+        (0..self.urls.len()).map(move |k| (self.next + offset + k) % n)
     }
 
     /// Records how a session on node `used` ended: after a broker failure the next pass
@@ -72,6 +75,17 @@ pub(super) enum SinkChoice {
         /// The message mapping (`--publish-properties`, `--cloudevents`).
         encoder: Encoder,
     },
+    /// `--partitions N` (N > 1): N such connections, each message to the one of its key.
+    Partitioned {
+        /// Each part's connection settings (`amqp_url` and `connection_name` set per part).
+        publisher: PublisherConfig,
+        /// The message mapping, the same on every part.
+        encoder: Encoder,
+        /// N, 2 to [`crate::partition::MAX_PARTITIONS`].
+        count: u16,
+        /// What keys a message's partition.
+        key: PartitionKey,
+    },
 }
 
 impl SinkChoice {
@@ -95,32 +109,81 @@ impl SinkChoice {
             config.publishing.publish_properties,
             config.publishing.cloudevents.clone(),
         );
-        // The next sinks are chosen here, from their settings: `--partitions N` (N > 1)
-        // gives `Partitioned` (N of these AMQP settings), `--stream-url` gives `Stream`.
+        // The next sink is chosen here too: `--stream-url` gives `Stream`.
+        let partitions = config.broker.partitions;
+        if partitions.count > 1 {
+            return SinkChoice::Partitioned {
+                publisher,
+                encoder,
+                count: partitions.count,
+                key: partitions.key,
+            };
+        }
         SinkChoice::Amqp { publisher, encoder }
     }
 
-    /// Connects the sink: one pass over `nodes` ([`connect_amqp`]).
+    /// Connects the sink: one pass over `nodes` per connection ([`connect_amqp`]). For
+    /// `Partitioned`, the node reported is partition 0's.
     ///
     /// # Errors
-    /// As [`connect_amqp`].
+    /// As [`connect_amqp`], for the first partition that did not connect (the ones
+    /// connected before it are dropped, which closes their sockets).
     pub async fn connect(&self, nodes: &BrokerNodes) -> Result<ConnectedSink, Error> {
-        // One arm per sink: `Partitioned` connects N `connect_amqp` parts and puts them
-        // behind `sink::partitioned`; `Stream` connects the stream publisher and queries
-        // its stored sequence.
+        // One arm per sink; `Stream` will connect the stream publisher and query its
+        // stored sequence.
         match self {
             SinkChoice::Amqp { publisher, encoder } => {
-                let (sink, node) = connect_amqp(nodes, publisher.clone(), encoder).await?;
+                let (sink, node) = connect_amqp(nodes, 0, publisher.clone(), encoder).await?;
                 Ok(ConnectedSink {
                     sink: Box::new(sink),
                     node,
                 })
             }
+            SinkChoice::Partitioned {
+                publisher,
+                encoder,
+                count,
+                key,
+            } => connect_partitions(nodes, publisher, encoder, *count, *key).await,
         }
     }
 }
 
-/// One connect pass over the broker's nodes ([`BrokerNodes::pass`]): the first node that
+/// Connects partitions `0..count` in turn, partition `i` starting its pass `i` nodes on,
+/// each named `pgoutbox INSTANCE partition i/count` on the broker (its connection list
+/// shows them).
+async fn connect_partitions(
+    nodes: &BrokerNodes,
+    publisher: &PublisherConfig,
+    encoder: &Encoder,
+    count: u16,
+    key: PartitionKey,
+) -> Result<ConnectedSink, Error> {
+    let mut parts: Vec<Box<dyn Sink>> = Vec::with_capacity(usize::from(count));
+    let mut first_node = 0;
+    for i in 0..usize::from(count) {
+        let mut config = publisher.clone();
+        config.connection_name = format!("{} partition {i}/{count}", publisher.connection_name);
+        let (sink, node) = connect_amqp(nodes, i, config, encoder).await?;
+        tracing::debug!(
+            partition = i,
+            of = count,
+            node = node + 1,
+            "partition connected"
+        );
+        if i == 0 {
+            first_node = node;
+        }
+        parts.push(Box::new(sink));
+    }
+    Ok(ConnectedSink {
+        sink: Box::new(PartitionedSink::new(parts, key)),
+        node: first_node,
+    })
+}
+
+/// One connect pass over the broker's nodes ([`BrokerNodes::pass`], starting `offset` nodes
+/// on): the first node that
 /// completes the handshake and the exchange declare wins, and is logged (URL without its
 /// password). Each node gets [`crate::publisher::CONNECT_TIMEOUT`].
 ///
@@ -136,13 +199,14 @@ impl SinkChoice {
 /// error (a node down or unreachable), and the pass is tried again after the backoff.
 async fn connect_amqp(
     nodes: &BrokerNodes,
+    offset: usize,
     mut publisher_config: PublisherConfig,
     encoder: &Encoder,
 ) -> Result<(AmqpSink, usize), Error> {
     let total = nodes.urls.len();
     let mut first_retryable: Option<Error> = None;
     let mut first_definite: Option<Error> = None;
-    for i in nodes.pass() {
+    for i in nodes.pass(offset) {
         publisher_config.amqp_url.clone_from(&nodes.urls[i]);
         let url = crate::config::redact_url(&nodes.urls[i]);
         match AmqpSink::connect(&publisher_config, encoder.clone()).await {

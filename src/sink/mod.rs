@@ -79,6 +79,7 @@
 //! implementations of [`Sink`] and one more arm in the factory's match.
 
 mod outcome;
+pub mod partitioned;
 
 use std::future::poll_fn;
 use std::task::{Context, Poll};
