@@ -24,6 +24,7 @@ mod lockdown;
 mod observability;
 mod operations;
 mod outboxes;
+mod partitions;
 mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;

@@ -118,7 +118,18 @@ impl Sink for PartitionedSink {
         for k in 0..n {
             let i = (start + k) % n;
             match self.parts[i].poll_settled(cx) {
-                Poll::Ready(Ok(outcomes)) => settled.extend(outcomes),
+                Poll::Ready(Ok(outcomes)) => {
+                    settled.extend(outcomes.into_iter().map(|(seq, outcome)| match outcome {
+                        // The session ends on it: say which connection failed.
+                        PublishOutcome::Failed { error } => (
+                            seq,
+                            PublishOutcome::Failed {
+                                error: format!("partition {i}: {error}"),
+                            },
+                        ),
+                        other => (seq, other),
+                    }))
+                }
                 Poll::Ready(Err(e @ SinkError::Violated(_))) => {
                     return Poll::Ready(Err(named(i, e)))
                 }
@@ -325,7 +336,7 @@ mod tests {
                 (
                     2,
                     PublishOutcome::Failed {
-                        error: "gone".into()
+                        error: "partition 1: gone".into()
                     }
                 )
             ]

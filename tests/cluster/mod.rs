@@ -1,7 +1,9 @@
 //! A three-node RabbitMQ cluster with a quorum queue: the streamer is given every node's
 //! URL, the node it is connected to is killed mid-stream (SIGKILL of the VM), brought back,
 //! and then the node it failed over to is stopped (`stop_app`); the streamer fails over
-//! each time and the audit by message id finds nothing lost and nothing invented.
+//! each time and the audit by message id finds nothing lost and nothing invented. Before
+//! that, on the same cluster: `--partitions 3` with the three URLs puts partition i on
+//! node i (issue 18), so the cluster shares the channel work.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -41,6 +43,7 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
     }
     let pg = Postgres::shared();
     let urls = cluster.urls();
+    partitions_spread_over_the_nodes(pg, &cluster).await;
     let mut ob = Outbox::new_without_queue(pg, &urls[0], "cluster").await;
     declare_bound_quorum_queue(&urls[0], &ob.exchange, &ob.queue).await;
     let instance = support::unique("cluster-streamer");
@@ -256,4 +259,32 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
     );
     assert!(streamer.try_status().is_none(), "the streamer kept running");
     drop(streamer);
+}
+
+/// `run --partitions 3` given the three nodes: partition i's connection is on node i
+/// (each partition's connect pass starts i nodes on), seen from the broker's side.
+async fn partitions_spread_over_the_nodes(pg: &'static Postgres, cluster: &RabbitCluster) {
+    let urls = cluster.urls();
+    let ob = Outbox::new(pg, &urls[0], "cluster_parts").await;
+    let instance = support::unique("cluster-parts");
+    let streamer = ob.run_with_amqp_url(
+        &urls.join(","),
+        &["--partitions", "3", "--instance-id", &instance],
+    );
+    let name = |i: usize| format!("pgoutbox {instance} partition {i}/3");
+    assert!(
+        wait_until(scaled(Duration::from_secs(60)), || async {
+            (0..3).all(|i| cluster.node_of_connection(&name(i)) == Some(i))
+        })
+        .await,
+        "partition i on node i: {:?}\n{}",
+        (0..3)
+            .map(|i| cluster.node_of_connection(&name(i)))
+            .collect::<Vec<_>>(),
+        streamer.log()
+    );
+    let last = ob.emit("parts.one", "parts-one");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
+    assert!(ob.flushed_past(last, scaled(Duration::from_secs(30))).await);
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }

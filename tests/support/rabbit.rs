@@ -121,7 +121,12 @@ impl RabbitMq {
             std::fs::create_dir_all(r.root.join(d)).expect("mkdir");
         }
         set_mode(&r.root.join("home"), 0o700);
-        std::fs::write(r.root.join("enabled_plugins"), "[].\n").unwrap();
+        // The consistent-hash exchange for the partitions topology (issue 18); nothing else.
+        std::fs::write(
+            r.root.join("enabled_plugins"),
+            "[rabbitmq_consistent_hash_exchange].\n",
+        )
+        .unwrap();
         std::fs::write(r.root.join("rabbitmq-env.conf"), "").unwrap();
         for (name, contents) in files {
             std::fs::write(r.root.join(name), contents).expect("write node file");
