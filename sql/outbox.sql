@@ -506,7 +506,8 @@ COMMENT ON TABLE outbox.dead_letter IS
 -- Lockdown record (sql/lockdown.sql writes it, sql/unlock.sql deletes it): at most one row,
 -- present while pg_logical_emit_message is revoked from PUBLIC in this database.
 -- enabled_at_lsn is the LSN of the lockdown marker message (prefix pgoutbox.lockdown) the
--- lockdown transaction wrote: a pgoutbox message at a later LSN that is not a version-2 (or
+-- lockdown's second step wrote (NULL while pending, see sql/lockdown.sql): a pgoutbox
+-- message at a later LSN that is not a version-2 (or
 -- later) envelope with an emitter is dead-lettered as forged. Readable by every role (it is what
 -- `run`, `status` and `check` read; nothing secret).
 CREATE TABLE IF NOT EXISTS outbox.lockdown (

@@ -468,7 +468,7 @@ async fn a_schema_owner_cannot_forge_an_emitter_under_lockdown() {
     assert!(
         weak.iter().any(|w| w.contains("schema outbox")
             && w.contains(&owner)
-            && w.contains(&format!("ALTER SCHEMA outbox OWNER TO pgoutbox_emitter"))),
+            && w.contains("ALTER SCHEMA outbox OWNER TO pgoutbox_emitter")),
         "{weak:?}"
     );
     assert!(
