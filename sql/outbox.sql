@@ -555,8 +555,10 @@ BEGIN
        AND EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'pgoutbox_emitter') THEN
         -- A schema owner other than the emitter keeps USAGE (see sql/lockdown.sql), granted
         -- after the change (an owner's grants to itself go with the ownership).
-        schema_owner := (SELECT pg_catalog.pg_get_userbyid(nspowner) FROM pg_catalog.pg_namespace
-                          WHERE nspname = 'outbox');
+        schema_owner := (SELECT pg_catalog.pg_get_userbyid(n.nspowner)
+                           FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_class c
+                             ON c.relnamespace = n.oid
+                          WHERE c.oid = 'outbox.lockdown'::regclass);
         ALTER SCHEMA outbox OWNER TO pgoutbox_emitter;
         EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', schema_owner);
         ALTER FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text) OWNER TO pgoutbox_emitter;

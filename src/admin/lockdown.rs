@@ -520,6 +520,17 @@ mod tests {
     use crate::outbox_schema::SchemaName;
 
     #[test]
+    fn the_marker_is_written_with_its_own_prefix() {
+        let on = format!(
+            "'{}', '{}'",
+            crate::lockdown::MARKER_PREFIX,
+            std::str::from_utf8(crate::lockdown::MARKER_ON).unwrap()
+        );
+        assert!(MARKER_SQL.contains(&on), "{MARKER_SQL}");
+        assert!(!LOCKDOWN_SQL.contains("pg_logical_emit_message(true"));
+    }
+
+    #[test]
     fn lockdown_is_only_for_the_default_schema() {
         let billing = SchemaName::parse("--schema", "billing").unwrap();
         let e = require_default_schema(&billing, "--lockdown")
