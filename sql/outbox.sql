@@ -506,16 +506,35 @@ COMMENT ON TABLE outbox.dead_letter IS
 -- Lockdown record (sql/lockdown.sql writes it, sql/unlock.sql deletes it): at most one row,
 -- present while pg_logical_emit_message is revoked from PUBLIC in this database.
 -- enabled_at_lsn is the LSN of the lockdown marker message (prefix pgoutbox.lockdown) the
--- lockdown transaction wrote: a pgoutbox message at a later LSN that is not a version-2 (or
+-- lockdown's second step wrote (NULL while pending, see sql/lockdown.sql): a pgoutbox
+-- message at a later LSN that is not a version-2 (or
 -- later) envelope with an emitter is dead-lettered as forged. Readable by every role (it is what
 -- `run`, `status` and `check` read; nothing secret).
 CREATE TABLE IF NOT EXISTS outbox.lockdown (
     singleton       boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    enabled_at_lsn  pg_lsn NOT NULL,
+    enabled_at_lsn  pg_lsn,               -- NULL: pending (step 2 of the lockdown not done)
     enabled_at      timestamptz NOT NULL DEFAULT now(),
     enabled_by      text NOT NULL DEFAULT session_user,
-    previous_owner  text                  -- owner of outbox.emit before; unlock restores it
+    previous_owner  text,                 -- owner of outbox.emit before; unlock restores it
+    previous_owners jsonb,                -- owners before of schema, helpers, tables
+    helpers_fingerprint text              -- md5 of the helpers' definitions at lockdown
 );
+-- Tables of earlier pgoutbox versions.
+DO $upgrade$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                WHERE attrelid = 'outbox.lockdown'::regclass AND attname = 'enabled_at_lsn'
+                  AND attnotnull) THEN
+        ALTER TABLE outbox.lockdown ALTER COLUMN enabled_at_lsn DROP NOT NULL;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                    WHERE attrelid = 'outbox.lockdown'::regclass AND attname = 'helpers_fingerprint'
+                      AND NOT attisdropped) THEN
+        ALTER TABLE outbox.lockdown ADD COLUMN previous_owners jsonb,
+                                    ADD COLUMN helpers_fingerprint text;
+    END IF;
+END;
+$upgrade$;
 
 COMMENT ON TABLE outbox.lockdown IS
     'pgoutbox: present while setup --lockdown is in effect (pg_logical_emit_message revoked from PUBLIC; outbox.emit/emit_bytes SECURITY DEFINER); pgoutbox messages after enabled_at_lsn that did not come through the helpers are dead-lettered as forged.';
@@ -525,14 +544,26 @@ GRANT SELECT ON outbox.lockdown TO PUBLIC;
 -- CREATE OR REPLACE FUNCTION above resets SECURITY DEFINER (it keeps owner and grants),
 -- and an upgrade from envelope version 2 dropped the old signatures (their owner and
 -- grants went with them): under lockdown, make the helpers SECURITY DEFINER functions of
--- pgoutbox_emitter again, or producers would lose their only way to emit; it also needs
--- INSERT on outbox.idempotency for idempotent emits.
+-- pgoutbox_emitter again, or producers would lose their only way to emit, and give it the
+-- schema and everything the helpers run (see sql/lockdown.sql). `setup` then records the
+-- fingerprint of these definitions (src/admin/lockdown.rs).
 DO $lockdown$
+DECLARE
+    schema_owner text;
 BEGIN
     IF EXISTS (SELECT 1 FROM outbox.lockdown)
        AND EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'pgoutbox_emitter') THEN
-        GRANT EXECUTE ON FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text) TO pgoutbox_emitter;
-        GRANT INSERT ON outbox.idempotency TO pgoutbox_emitter;
+        -- A schema owner other than the emitter keeps USAGE (see sql/lockdown.sql), granted
+        -- after the change (an owner's grants to itself go with the ownership).
+        schema_owner := (SELECT pg_catalog.pg_get_userbyid(n.nspowner)
+                           FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_class c
+                             ON c.relnamespace = n.oid
+                          WHERE c.oid = 'outbox.lockdown'::regclass);
+        ALTER SCHEMA outbox OWNER TO pgoutbox_emitter;
+        EXECUTE format('GRANT USAGE ON SCHEMA outbox TO %I', schema_owner);
+        ALTER FUNCTION outbox._envelope(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text) OWNER TO pgoutbox_emitter;
+        ALTER TABLE outbox.idempotency OWNER TO pgoutbox_emitter;
+        ALTER TABLE outbox.lockdown OWNER TO pgoutbox_emitter;
         ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) OWNER TO pgoutbox_emitter;
         ALTER FUNCTION outbox.emit(text, jsonb, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) SECURITY DEFINER;
         ALTER FUNCTION outbox.emit_bytes(text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text, text) OWNER TO pgoutbox_emitter;

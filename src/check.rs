@@ -184,9 +184,17 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
         ),
     ));
     precondition(out, "role", admin::check_replication_role(&client).await);
-    // Information only (setup --lockdown): never a warning or a problem.
+    // Information (setup --lockdown), unless a lockdown no longer holds: a problem.
     match admin::lockdown_state(&client).await {
-        Ok(state) => out.push(finding(Severity::Ok, "lockdown", state.describe())),
+        Ok(state) => out.push(finding(
+            if state.weakened.is_empty() {
+                Severity::Ok
+            } else {
+                Severity::Problem
+            },
+            "lockdown",
+            state.describe(),
+        )),
         Err(e) => out.push(finding(
             Severity::Ok,
             "lockdown",

@@ -348,6 +348,7 @@ mod tests {
             headers: Map::new(),
             payload: Bytes::from_static(b"{}"),
             emitted_by: None,
+            emitted_by_unchecked: false,
             version: crate::envelope::VERSION_3,
             exchange: None,
             meta: crate::envelope::Metadata {

@@ -72,6 +72,10 @@ pub mod envelope_key {
     pub const HEADERS: &str = "headers";
     /// The emitting `session_user` (version 2 and later).
     pub const EMITTED_BY: &str = "emitted_by";
+    /// Present (`true`, version 2 and later): `emitted_by` was never checked, so it must
+    /// not be trusted even under lockdown. Written by `dead-letters requeue` for a message
+    /// whose emitter was not checked when it was first streamed; never by the helpers.
+    pub const EMITTED_BY_UNCHECKED: &str = "emitted_by_unchecked";
     /// The exchange the producer named (version 3, optional).
     pub const EXCHANGE: &str = "exchange";
     /// Event metadata (version 3, optional): the AMQP `correlation-id`.

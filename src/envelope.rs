@@ -113,6 +113,11 @@ pub struct Envelope {
     /// version-1 envelope, or a later one without the field (which the helpers never
     /// write; under `setup --lockdown` such a message is dead-lettered as `forged`).
     pub emitted_by: Option<String>,
+    /// Whether the header says that `emitted_by` was never checked (version-2 header key
+    /// `emitted_by_unchecked`, written by `dead-letters requeue` for a message streamed
+    /// before a lockdown): the streamer then never sends it as checked. Any value of the
+    /// key counts (fail closed); the helpers never write it.
+    pub emitted_by_unchecked: bool,
     /// The exchange the producer named (version-3 header field `exchange`), 1 to 255 bytes;
     /// `None`: the streamer's `--exchange`. Carried and validated here; routing by it is
     /// the publisher's business.
@@ -607,10 +612,13 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         }
     };
 
-    let emitted_by = if version >= VERSION_2 {
-        take_opt_string(&mut header, key::EMITTED_BY)?
+    let (emitted_by, emitted_by_unchecked) = if version >= VERSION_2 {
+        (
+            take_opt_string(&mut header, key::EMITTED_BY)?,
+            header.remove(key::EMITTED_BY_UNCHECKED).is_some(),
+        )
     } else {
-        None
+        (None, false)
     };
     let (exchange, meta) = if version >= VERSION_3 {
         let h = &mut header;
@@ -657,6 +665,7 @@ pub fn decode(content: Bytes) -> Result<Envelope, EnvelopeError> {
         headers,
         payload: content.slice(header_end..),
         emitted_by,
+        emitted_by_unchecked,
         exchange,
         meta,
     };
@@ -714,6 +723,9 @@ pub fn encode(env: &Envelope) -> Vec<u8> {
         if let Some(v) = m.priority {
             header.insert(key::PRIORITY.into(), v.into());
         }
+    }
+    if env.version >= VERSION_2 && env.emitted_by_unchecked {
+        header.insert(key::EMITTED_BY_UNCHECKED.into(), Value::Bool(true));
     }
     let header = Value::Object(header).to_string();
     let header_len = u32::try_from(header.len())
@@ -901,6 +913,7 @@ mod tests {
             headers,
             payload: Bytes::from_static(b"{\"a\": 1}"),
             emitted_by: None,
+            emitted_by_unchecked: false,
             exchange: None,
             meta: Metadata::default(),
         }
@@ -934,6 +947,7 @@ mod tests {
             Envelope {
                 version: VERSION_2,
                 emitted_by: Some("postgres".into()),
+                emitted_by_unchecked: false,
                 ..sample()
             }
         );
@@ -1035,6 +1049,7 @@ mod tests {
         Envelope {
             version: VERSION_3,
             emitted_by: Some("postgres".into()),
+            emitted_by_unchecked: false,
             exchange: Some("orders".into()),
             meta: full_meta(),
             ..sample()
@@ -1376,6 +1391,7 @@ mod tests {
         let env = Envelope {
             version: VERSION_2,
             emitted_by: Some("app_writer".into()),
+            emitted_by_unchecked: false,
             ..sample()
         };
         let bytes = encode(&env);

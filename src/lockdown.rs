@@ -2,8 +2,9 @@
 //!
 //! `pgoutbox setup --lockdown` (`sql/lockdown.sql`) revokes `EXECUTE` on every overload of
 //! `pg_logical_emit_message` from `PUBLIC`, makes `outbox.emit` / `outbox.emit_bytes`
-//! `SECURITY DEFINER` functions of the `NOLOGIN` role `pgoutbox_emitter`, and, in the same
-//! transaction, writes a **lockdown marker**: a transactional logical message with prefix
+//! `SECURITY DEFINER` functions of the `NOLOGIN` role `pgoutbox_emitter` (which also owns
+//! the schema and what the helpers run), and, once every transaction older than that has
+//! ended, writes a **lockdown marker**: a transactional logical message with prefix
 //! [`MARKER_PREFIX`] and content [`MARKER_ON`], whose LSN it records in `outbox.lockdown`
 //! (`enabled_at_lsn`). `setup --unlock` (`sql/unlock.sql`) writes [`MARKER_OFF`] and deletes
 //! the record.
@@ -32,10 +33,15 @@
 //! - The check compares the **message's own LSN** with the marker's, not its commit LSN: a
 //!   message written before the lockdown in a transaction that commits after it is
 //!   "pending from before the lockdown" and is delivered.
-//! - Only messages written between the marker and the lockdown's commit (a call that raced
-//!   the `REVOKE`) can be classified either way: delivered when their transaction committed
-//!   before the lockdown and the streamer was streaming, `forged` when a session started
-//!   later. Both are calls the lockdown was meant to stop.
+//! - The marker is the trust boundary because `setup --lockdown` writes it only after the
+//!   `REVOKE` committed **and** every transaction that was open then has ended
+//!   (`crate::admin::lockdown`): PostgreSQL checks `EXECUTE` when a query starts, so a
+//!   transaction older than the `REVOKE` (a cursor declared before it) can still write a
+//!   direct message after the lockdown transaction's commit, and neither that
+//!   transaction's marker nor its commit LSN would bound it. Any message after the marker
+//!   comes from a transaction that began after the `REVOKE` was visible: through the
+//!   helpers, or from a superuser. Messages before it, racing calls included, are
+//!   delivered as written before the lockdown (their emitter not sent as checked).
 //! - A marker cannot weaken the check: an "on" marker only ever moves the lockdown LSN
 //!   earlier (stricter); an "off" marker counts only when it is after the lockdown LSN, so
 //!   an "off" written by an ordinary role *before* the lockdown (in a transaction that

@@ -195,6 +195,11 @@ pub enum RequeueRefusal {
 /// requeued and the error names every such row with its reason. A selection other than
 /// ids (`--all`) selects only the rows not requeued yet.
 ///
+/// Each keeps its trust verdict: a dead letter whose `emitted_by` was not checked when it
+/// was streamed (its LSN not after the current lockdown's marker, or reason `forged`) is
+/// re-emitted with `emitted_by_unchecked` in its envelope, so the streamer never publishes
+/// it as checked; under lockdown a requeue needs a superuser, who may write any envelope.
+///
 /// # Errors
 /// [`Error::Precondition`] listing the refused rows and the fix; [`Error::Sql`].
 pub async fn requeue_dead_letters(
@@ -208,6 +213,14 @@ pub async fn requeue_dead_letters(
         " AND requeued_at IS NULL"
     } else {
         ""
+    };
+    // The trust boundary: only a message after the lockdown marker had its emitter
+    // checked (or could only have come through the helpers). Lockdown is the default
+    // outbox's only.
+    let since = if schema.is_default() {
+        super::lockdown::lockdown_state(client).await?.since()
+    } else {
+        None
     };
     let tx = client
         .transaction()
@@ -243,7 +256,7 @@ pub async fn requeue_dead_letters(
             .collect();
         refused.extend(missing.into_iter().map(|id| (id, RequeueRefusal::NotFound)));
     }
-    let mut picked: Vec<i64> = Vec::with_capacity(rows.len());
+    let mut picked: Vec<(i64, Option<Vec<u8>>)> = Vec::with_capacity(rows.len());
     for row in &rows {
         let (id, requeued_at): (i64, Option<String>) = (row.get(0), row.get(1));
         if let Some(at) = requeued_at {
@@ -251,16 +264,20 @@ pub async fn requeue_dead_letters(
             continue;
         }
         // One envelope in memory at a time: too_large rows are large by definition.
-        let envelope: Vec<u8> = tx
+        let dl = tx
             .query_one(
-                &*schema.rewrite("SELECT envelope FROM outbox.dead_letter WHERE id = $1"),
+                &*schema.rewrite(
+                    "SELECT envelope, lsn::text, reason FROM outbox.dead_letter WHERE id = $1",
+                ),
                 &[&id],
             )
             .await
-            .map_err(|e| Error::sql(format!("reading dead letter {id}"), e))?
-            .get(0);
+            .map_err(|e| Error::sql(format!("reading dead letter {id}"), e))?;
+        let (envelope, lsn, reason): (Vec<u8>, String, String) = (dl.get(0), dl.get(1), dl.get(2));
+        let checked =
+            reason != "forged" && since.is_some_and(|s| lsn.parse::<Lsn>().is_ok_and(|l| l > s));
         match crate::envelope::decode(bytes::Bytes::from(envelope)) {
-            Ok(_) => picked.push(id),
+            Ok(env) => picked.push((id, keep_verdict(env, checked))),
             Err(e) => refused.push((id, RequeueRefusal::Undecodable(e.to_string()))),
         }
     }
@@ -268,17 +285,28 @@ pub async fn requeue_dead_letters(
         refused.sort_by_key(|(id, _)| *id);
         return Err(Error::Precondition(describe_refusals(&refused)));
     }
-    for id in &picked {
-        tx.execute(
-            &*schema.rewrite(
-                "SELECT pg_logical_emit_message(true, $2, envelope) FROM outbox.dead_letter WHERE id = $1",
-            ),
-            &[id, &prefix.as_str()],
-        )
-        .await
-        .map_err(|e| Error::sql(format!("re-emitting dead letter {id}"), e))?;
+    for (id, rewritten) in &picked {
+        let emitted = match rewritten {
+            None => {
+                tx.execute(
+                    &*schema.rewrite(
+                        "SELECT pg_logical_emit_message(true, $2, envelope) FROM outbox.dead_letter WHERE id = $1",
+                    ),
+                    &[id, &prefix.as_str()],
+                )
+                .await
+            }
+            Some(envelope) => {
+                tx.execute(
+                    "SELECT pg_logical_emit_message(true, $1, $2::bytea)",
+                    &[&prefix.as_str(), envelope],
+                )
+                .await
+            }
+        };
+        emitted.map_err(|e| Error::sql(format!("re-emitting dead letter {id}"), e))?;
     }
-    let ids = picked;
+    let ids: Vec<i64> = picked.iter().map(|(id, _)| *id).collect();
     tx.execute(
         &*schema.rewrite("UPDATE outbox.dead_letter SET requeued_at = now() WHERE id = ANY($1)"),
         &[&ids],
@@ -309,6 +337,19 @@ fn describe_refusals(refused: &[(i64, RequeueRefusal)]) -> String {
         "requeued nothing: {}; fix the selection (`pgoutbox dead-letters list --all` shows every row) and run it again",
         rows.join("; ")
     )
+}
+
+/// The envelope to re-emit for a dead letter whose emitter was `checked` (or not) when it
+/// was first streamed: `None` to re-emit the stored bytes as they are; `Some` with the
+/// envelope re-encoded with `emitted_by_unchecked` when its `emitted_by` was never
+/// checked (written before the lockdown, or dead-lettered as `forged`), so that the
+/// re-emit, after the lockdown, is not published as checked (issue 21, item 3).
+fn keep_verdict(mut env: crate::envelope::Envelope, checked: bool) -> Option<Vec<u8>> {
+    if checked || env.emitted_by.is_none() || env.emitted_by_unchecked {
+        return None;
+    }
+    env.emitted_by_unchecked = true;
+    Some(crate::envelope::encode(&env))
 }
 
 /// Deletes the selected dead letters. Returns how many were deleted.

@@ -1,5 +1,23 @@
-//! `setup --lockdown` / `setup --unlock`, and reading the lockdown record (`run`, `status`,
-//! `check`). What lockdown means for the stream: [`crate::lockdown`].
+//! `setup --lockdown` / `setup --unlock`, reading the lockdown record (`run`, `status`,
+//! `check`) and telling whether a lockdown still holds. What lockdown means for the
+//! stream: [`crate::lockdown`].
+//!
+//! A lockdown holds against every role but a superuser only while no login role can
+//! change, drop or shadow what the `SECURITY DEFINER` helpers run (issue 21): so
+//! [`lock`] gives the schema `outbox`, the helpers and the tables they use to the
+//! `NOLOGIN` role `pgoutbox_emitter`, and records a fingerprint of the helpers'
+//! definitions; [`lockdown_state`] reports, as [`LockdownState::weakened`], every way
+//! the lockdown was weakened since (an owner that can log in, a login member of an
+//! owner, a login role that may create in the schema or call `pg_logical_emit_message`,
+//! a trigger, rule or policy on `outbox.idempotency`, a changed definition).
+//!
+//! [`lock`] runs in two steps, because PostgreSQL checks `EXECUTE` when a query starts:
+//! a transaction that began before the `REVOKE` committed (a cursor declared then) can
+//! still call `pg_logical_emit_message` after it, at an LSN after the lockdown
+//! transaction's commit. So the marker, whose LSN is the trust boundary, is written only
+//! after every transaction older than the `REVOKE` has ended ([`wait_for_older_transactions`]).
+
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -7,17 +25,113 @@ use tokio_postgres::Client;
 use crate::error::Error;
 use crate::lsn::Lsn;
 
-/// `sql/lockdown.sql`: revoke `pg_logical_emit_message` from `PUBLIC`, helpers
-/// `SECURITY DEFINER` of `pgoutbox_emitter`, marker and record. Idempotent.
+/// `sql/lockdown.sql`, the lockdown's first step: revoke `pg_logical_emit_message` from
+/// `PUBLIC`, give the schema and the helpers to `pgoutbox_emitter`, helpers
+/// `SECURITY DEFINER`, a pending record. Idempotent.
 pub const LOCKDOWN_SQL: &str = include_str!("../../sql/lockdown.sql");
-/// `sql/unlock.sql`: undoes [`LOCKDOWN_SQL`]. Idempotent.
+/// `sql/unlock.sql`: undoes [`LOCKDOWN_SQL`] and [`MARKER_SQL`]. Idempotent.
 pub const UNLOCK_SQL: &str = include_str!("../../sql/unlock.sql");
+
+/// The lockdown's second step, once every transaction older than the `REVOKE` has ended:
+/// the marker (its LSN in the pending record) and the fingerprint. A no-op for a record
+/// that has its LSN already (a repeated lockdown keeps the first marker).
+pub const MARKER_SQL: &str = "LOCK TABLE outbox.lockdown IN EXCLUSIVE MODE;
+UPDATE outbox.lockdown
+   SET enabled_at_lsn = pg_catalog.pg_logical_emit_message(true, 'pgoutbox.lockdown', 'on'),
+       enabled_at = pg_catalog.now(), enabled_by = session_user
+ WHERE enabled_at_lsn IS NULL;";
+
+/// The fingerprint of what the helpers run: md5 of the definitions (`pg_get_functiondef`:
+/// body, `SECURITY DEFINER`, pinned `search_path`, ...) of every function named `emit`,
+/// `emit_bytes` or `_envelope` in schema `outbox`, and of every trigger, rule and policy
+/// on `outbox.idempotency` (there should be none). Computed here, never by a function in
+/// the schema, which whoever weakened the lockdown could replace too.
+const FINGERPRINT_SQL: &str =
+    "SELECT pg_catalog.md5(coalesce(pg_catalog.string_agg(d, E'\n' ORDER BY d), ''))
+  FROM (SELECT 'function ' || pg_catalog.pg_get_functiondef(p.oid) AS d
+          FROM pg_catalog.pg_proc p
+         WHERE p.pronamespace = pg_catalog.to_regnamespace('outbox')
+           AND p.proname IN ('emit', 'emit_bytes', '_envelope')
+        UNION ALL
+        SELECT 'trigger ' || pg_catalog.pg_get_triggerdef(t.oid)
+          FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = pg_catalog.to_regclass('outbox.idempotency') AND NOT t.tgisinternal
+        UNION ALL
+        SELECT 'rule ' || pg_catalog.pg_get_ruledef(r.oid)
+          FROM pg_catalog.pg_rewrite r
+         WHERE r.ev_class = pg_catalog.to_regclass('outbox.idempotency')
+        UNION ALL
+        SELECT 'policy ' || pol.polname
+          FROM pg_catalog.pg_policy pol
+         WHERE pol.polrelid = pg_catalog.to_regclass('outbox.idempotency')) s";
+
+/// What runs inside the helpers besides them: triggers, rules and policies on
+/// `outbox.idempotency` (they run as `pgoutbox_emitter`), each with the command that
+/// removes it.
+const EXTRAS_SQL: &str = "SELECT pg_catalog.format('the trigger %I on outbox.idempotency runs as pgoutbox_emitter inside the helpers; fix: DROP TRIGGER %I ON outbox.idempotency', t.tgname, t.tgname)
+  FROM pg_catalog.pg_trigger t
+ WHERE t.tgrelid = pg_catalog.to_regclass('outbox.idempotency') AND NOT t.tgisinternal
+UNION ALL
+SELECT pg_catalog.format('the rule %I on outbox.idempotency runs inside the helpers; fix: DROP RULE %I ON outbox.idempotency', r.rulename, r.rulename)
+  FROM pg_catalog.pg_rewrite r
+ WHERE r.ev_class = pg_catalog.to_regclass('outbox.idempotency')
+UNION ALL
+SELECT pg_catalog.format('the policy %I on outbox.idempotency runs inside the helpers; fix: DROP POLICY %I ON outbox.idempotency', pol.polname, pol.polname)
+  FROM pg_catalog.pg_policy pol
+ WHERE pol.polrelid = pg_catalog.to_regclass('outbox.idempotency')";
+
+/// Every login role (not a superuser) that could change, drop or shadow what the helpers
+/// run, or write an outbox message directly, each with the fix: members (or owners) of an
+/// owner of the schema, the helpers or the tables they use; roles with `CREATE` on the
+/// schema; roles that may execute `pg_logical_emit_message` (other than through `PUBLIC`,
+/// reported on its own). Then [`EXTRAS_SQL`].
+const WEAKNESSES_SQL: &str = "WITH objs(what, fix, owner) AS (
+    SELECT 'schema outbox', 'ALTER SCHEMA outbox OWNER TO pgoutbox_emitter', n.nspowner
+      FROM pg_catalog.pg_namespace n WHERE n.nspname = 'outbox'
+    UNION ALL
+    SELECT 'function ' || p.oid::pg_catalog.regprocedure::text,
+           'ALTER FUNCTION ' || p.oid::pg_catalog.regprocedure::text || ' OWNER TO pgoutbox_emitter', p.proowner
+      FROM pg_catalog.pg_proc p
+     WHERE p.pronamespace = pg_catalog.to_regnamespace('outbox') AND p.proname IN ('emit', 'emit_bytes', '_envelope')
+    UNION ALL
+    SELECT 'table ' || c.oid::pg_catalog.regclass::text,
+           'ALTER TABLE ' || c.oid::pg_catalog.regclass::text || ' OWNER TO pgoutbox_emitter', c.relowner
+      FROM pg_catalog.pg_class c
+     WHERE c.oid IN (pg_catalog.to_regclass('outbox.idempotency'), pg_catalog.to_regclass('outbox.lockdown'))
+), logins AS (
+    SELECT r.oid, r.rolname FROM pg_catalog.pg_roles r WHERE r.rolcanlogin AND NOT r.rolsuper
+), emitter AS (
+    SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = 'pgoutbox_emitter'
+)
+SELECT CASE WHEN l.oid = o.owner
+            THEN pg_catalog.format('%s is owned by the login role %s, which may change, drop or replace it; fix: %s', o.what, l.rolname, o.fix)
+            ELSE pg_catalog.format('the login role %s is a member of %s, the owner of %s, so it may change, drop or replace it; fix: REVOKE %I FROM %I', l.rolname, pg_catalog.pg_get_userbyid(o.owner), o.what, pg_catalog.pg_get_userbyid(o.owner), l.rolname)
+       END
+  FROM objs o JOIN logins l ON pg_catalog.pg_has_role(l.oid, o.owner, 'MEMBER')
+UNION ALL
+SELECT pg_catalog.format('the login role %s may create objects in schema outbox, and so shadow what the helpers run; fix: REVOKE CREATE ON SCHEMA outbox FROM %I', l.rolname, l.rolname)
+  FROM logins l, pg_catalog.pg_namespace n
+ WHERE n.nspname = 'outbox' AND pg_catalog.has_schema_privilege(l.oid, n.oid, 'CREATE')
+   AND NOT pg_catalog.pg_has_role(l.oid, n.nspowner, 'MEMBER')
+UNION ALL
+SELECT pg_catalog.format('the login role %s may call %s directly, and so write any envelope; fix: REVOKE EXECUTE ON FUNCTION %s FROM %I', l.rolname, p.oid::pg_catalog.regprocedure, p.oid::pg_catalog.regprocedure, l.rolname)
+  FROM pg_catalog.pg_proc p, logins l
+ WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::pg_catalog.regnamespace
+   AND pg_catalog.has_function_privilege(l.oid, p.oid, 'EXECUTE')
+   AND NOT pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE')
+   AND NOT coalesce(pg_catalog.pg_has_role(l.oid, (SELECT oid FROM emitter), 'MEMBER'), false)
+UNION ALL
+";
 
 /// The lockdown state of a database, as `status --json` prints it (field `lockdown`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct LockdownState {
-    /// Whether `outbox.lockdown` holds a record (lockdown in effect).
+    /// Whether lockdown is in effect: `outbox.lockdown` holds a record with the marker's
+    /// LSN.
     pub enabled: bool,
+    /// Whether the lockdown's first step ran and its second (the marker) did not: the
+    /// `REVOKE` is in place, emitters are not checked yet. Run `setup --lockdown` again.
+    pub pending: bool,
     /// The lockdown marker's LSN (`X/Y`): pgoutbox messages after it must come through the
     /// helpers. `None` without lockdown.
     pub enabled_at_lsn: Option<String>,
@@ -28,6 +142,10 @@ pub struct LockdownState {
     /// Whether `PUBLIC` may execute some overload of `pg_logical_emit_message` (true by
     /// default; false after `setup --lockdown`). `None` when it could not be read.
     pub public_can_emit: Option<bool>,
+    /// Under lockdown (or pending): every way it no longer holds against all roles but
+    /// superusers, each a sentence with its fix. Empty when it holds (and without
+    /// lockdown).
+    pub weakened: Vec<String>,
 }
 
 impl LockdownState {
@@ -37,7 +155,8 @@ impl LockdownState {
         self.enabled_at_lsn.as_deref().and_then(|s| s.parse().ok())
     }
 
-    /// One line for `status` and `check`.
+    /// One line for `status` and `check`; starts `WEAKENED` when [`Self::weakened`] is not
+    /// empty.
     #[must_use]
     pub fn describe(&self) -> String {
         let public = match self.public_can_emit {
@@ -45,22 +164,35 @@ impl LockdownState {
             Some(false) => "pg_logical_emit_message is revoked from PUBLIC",
             None => "privileges of pg_logical_emit_message unknown",
         };
-        if self.enabled {
+        let state = if self.enabled {
             format!(
                 "on since {} ({} by {}); {public}; outbox messages after that LSN not written by outbox.emit/emit_bytes are dead-lettered as forged (superusers can still write any message)",
                 self.enabled_at_lsn.as_deref().unwrap_or("-"),
                 self.enabled_at.as_deref().unwrap_or("-"),
                 self.enabled_by.as_deref().unwrap_or("-"),
             )
+        } else if self.pending {
+            format!(
+                "pending (its marker was never written, so no emitter is checked yet); {public}"
+            )
         } else {
             format!("off; {public} (pgoutbox setup --lockdown restricts it to the helpers)")
+        };
+        if self.weakened.is_empty() {
+            state
+        } else {
+            format!(
+                "WEAKENED: {}; then run `pgoutbox setup --lockdown` as a superuser. Lockdown {state}",
+                self.weakened.join("; ")
+            )
         }
     }
 }
 
-/// Reads the lockdown record and the privileges of `pg_logical_emit_message`. A database
-/// without `outbox.lockdown` (schema not installed, or installed by an older pgoutbox) has
-/// no lockdown.
+/// Reads the lockdown record and the privileges of `pg_logical_emit_message`, and, under
+/// lockdown, what weakened it ([`LockdownState::weakened`]). A database without
+/// `outbox.lockdown` (schema not installed, or installed by an older pgoutbox) has no
+/// lockdown.
 ///
 /// # Errors
 /// [`Error::Sql`] when the table exists and cannot be read.
@@ -84,23 +216,114 @@ pub async fn lockdown_state(client: &Client) -> Result<LockdownState, Error> {
     if !has_table {
         return Ok(state);
     }
+    let has_fingerprint: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                             WHERE attrelid = 'outbox.lockdown'::regclass
+                               AND attname = 'helpers_fingerprint' AND NOT attisdropped)",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the columns of outbox.lockdown", e))?
+        .get(0);
+    let fingerprint = if has_fingerprint {
+        "helpers_fingerprint"
+    } else {
+        "NULL::text"
+    };
     let record = client
         .query_opt(
-            "SELECT enabled_at_lsn::text,
-                    to_char(enabled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
-                    enabled_by
-               FROM outbox.lockdown",
+            &format!(
+                "SELECT enabled_at_lsn::text,
+                        to_char(enabled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'),
+                        enabled_by, {fingerprint}
+                   FROM outbox.lockdown"
+            ),
             &[],
         )
         .await
         .map_err(|e| Error::sql("reading outbox.lockdown", e))?;
-    if let Some(r) = record {
-        state.enabled = true;
-        state.enabled_at_lsn = Some(r.get(0));
-        state.enabled_at = Some(r.get(1));
-        state.enabled_by = Some(r.get(2));
-    }
+    let Some(r) = record else {
+        return Ok(state);
+    };
+    let lsn: Option<String> = r.get(0);
+    state.enabled = lsn.is_some();
+    state.pending = lsn.is_none();
+    state.enabled_at_lsn = lsn;
+    state.enabled_at = Some(r.get(1));
+    state.enabled_by = Some(r.get(2));
+    let recorded: Option<String> = r.get(3);
+    state.weakened = weaknesses(client, &state, recorded.as_deref()).await?;
     Ok(state)
+}
+
+/// What weakens a recorded lockdown (see [`LockdownState::weakened`]).
+async fn weaknesses(
+    client: &Client,
+    state: &LockdownState,
+    recorded_fingerprint: Option<&str>,
+) -> Result<Vec<String>, Error> {
+    let mut out = Vec::new();
+    if state.pending {
+        out.push("the lockdown is pending: its first step (the REVOKE) ran and its marker was never written, so the streamer checks no emitter".to_owned());
+    }
+    if state.public_can_emit == Some(true) {
+        out.push("PUBLIC may call pg_logical_emit_message again, so every role can write any envelope; fix: run `pgoutbox setup --lockdown` again".to_owned());
+    }
+    let rows = client
+        .query(&format!("{WEAKNESSES_SQL}{EXTRAS_SQL}"), &[])
+        .await
+        .map_err(|e| Error::sql("reading who may change the lockdown's helpers", e))?;
+    out.extend(rows.iter().map(|r| r.get::<_, String>(0)));
+    let now = fingerprint(client).await?;
+    match recorded_fingerprint {
+        Some(recorded) if recorded == now => {}
+        Some(recorded) => out.push(format!(
+            "the helpers' definitions changed since the lockdown (fingerprint {recorded} recorded, {now} now): outbox.emit, outbox.emit_bytes or outbox._envelope was replaced or altered, or a trigger, rule or policy was added to outbox.idempotency; fix: find who did it, then `pgoutbox setup --lockdown` reinstalls the helpers"
+        )),
+        None if state.enabled => out.push(
+            "no fingerprint of the helpers was recorded (a lockdown applied by an older pgoutbox), so a replaced helper would go unnoticed; fix: run `pgoutbox setup --lockdown` again".to_owned(),
+        ),
+        None => {}
+    }
+    Ok(out)
+}
+
+/// The current fingerprint of the helpers ([`FINGERPRINT_SQL`]).
+async fn fingerprint(client: &Client) -> Result<String, Error> {
+    Ok(client
+        .query_one(FINGERPRINT_SQL, &[])
+        .await
+        .map_err(|e| Error::sql("fingerprinting the helpers' definitions", e))?
+        .get(0))
+}
+
+/// Records the current fingerprint of the helpers in the lockdown record, if there is
+/// one: after `setup` (re)installed them, or the lockdown's second step.
+///
+/// # Errors
+/// [`Error::Sql`] (for example when the session may not update `outbox.lockdown`: under
+/// lockdown only a superuser may).
+pub async fn record_fingerprint(client: &Client) -> Result<(), Error> {
+    let locked: bool = client
+        .query_one(
+            "SELECT to_regclass('outbox.lockdown') IS NOT NULL AND EXISTS (SELECT 1 FROM outbox.lockdown)",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("reading outbox.lockdown", e))?
+        .get(0);
+    if !locked {
+        return Ok(());
+    }
+    client
+        .execute(
+            &format!("UPDATE outbox.lockdown SET helpers_fingerprint = ({FINGERPRINT_SQL})"),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("recording the helpers' fingerprint in outbox.lockdown", e))?;
+    Ok(())
 }
 
 /// Fails unless the session is a superuser: only a superuser (or the bootstrap superuser
@@ -156,15 +379,129 @@ async fn in_transaction(client: &Client, sql: &str, what: &str) -> Result<(), Er
     Ok(())
 }
 
-/// Applies `sql/lockdown.sql` (after `setup` installed `sql/outbox.sql`) and returns the
-/// state after it. Idempotent: a second run keeps the first record and its LSN.
+/// Locks the database down (after `setup` installed `sql/outbox.sql`) and returns the
+/// state after it: `sql/lockdown.sql` in one transaction, then
+/// [`wait_for_older_transactions`], then [`MARKER_SQL`] and the fingerprint in another.
+/// Idempotent: a second run keeps the first record and its LSN (and records the
+/// fingerprint of the helpers `setup` just installed).
 ///
 /// # Errors
-/// [`Error::Precondition`] when the session is no superuser; [`Error::Sql`].
+/// [`Error::Precondition`] when the session is no superuser, when something it cannot
+/// take over lets a login role change what the helpers run (a login member of
+/// `pgoutbox_emitter`, a trigger on `outbox.idempotency`, ...: nothing is changed then,
+/// and the error names the fix), or when the lockdown is in place but still weakened;
+/// [`Error::Sql`].
 pub async fn lock(client: &Client) -> Result<LockdownState, Error> {
     require_superuser(client, "--lockdown").await?;
+    preflight(client).await?;
     in_transaction(client, LOCKDOWN_SQL, "applying sql/lockdown.sql").await?;
-    lockdown_state(client).await
+    wait_for_older_transactions(client).await?;
+    in_transaction(
+        client,
+        &format!(
+            "{MARKER_SQL}\nUPDATE outbox.lockdown SET helpers_fingerprint = ({FINGERPRINT_SQL});"
+        ),
+        "writing the lockdown marker",
+    )
+    .await?;
+    let state = lockdown_state(client).await?;
+    if !state.weakened.is_empty() {
+        return Err(Error::Precondition(format!(
+            "setup --lockdown applied the lockdown, but it does not hold against every role but a superuser: {}; then run setup --lockdown again",
+            state.weakened.join("; ")
+        )));
+    }
+    Ok(state)
+}
+
+/// Refuses, before anything changes, what `sql/lockdown.sql` does not take over: a
+/// trigger, rule or policy on `outbox.idempotency`, a login role that is a member of
+/// `pgoutbox_emitter` or may create in schema `outbox` (other than as its owner, whose
+/// ownership the lockdown takes).
+async fn preflight(client: &Client) -> Result<(), Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT pg_catalog.format('the login role %s is a member of pgoutbox_emitter, which will own the helpers and may call pg_logical_emit_message; fix: REVOKE pgoutbox_emitter FROM %I', r.rolname, r.rolname)
+                   FROM pg_catalog.pg_roles r, pg_catalog.pg_roles e
+                  WHERE e.rolname = 'pgoutbox_emitter' AND r.rolcanlogin AND NOT r.rolsuper
+                    AND r.oid <> e.oid AND pg_catalog.pg_has_role(r.oid, e.oid, 'MEMBER')
+                 UNION ALL
+                 SELECT pg_catalog.format('the login role %s may create objects in schema outbox (a grant the lockdown keeps), and so shadow what the helpers run; fix: REVOKE CREATE ON SCHEMA outbox FROM %I', r.rolname, r.rolname)
+                   FROM pg_catalog.pg_roles r, pg_catalog.pg_namespace n
+                  WHERE n.nspname = 'outbox' AND r.rolcanlogin AND NOT r.rolsuper
+                    AND pg_catalog.has_schema_privilege(r.oid, n.oid, 'CREATE')
+                    AND NOT pg_catalog.pg_has_role(r.oid, n.nspowner, 'MEMBER')
+                 UNION ALL
+                 {EXTRAS_SQL}"
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("checking what the lockdown cannot take over", e))?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let found: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    Err(Error::Precondition(format!(
+        "setup --lockdown refused, nothing changed: {}; then run setup --lockdown again",
+        found.join("; ")
+    )))
+}
+
+/// Waits until every transaction that was running when this is called (after the
+/// `REVOKE` committed) has ended: each holds the lock on its own virtual transaction id
+/// (`pg_locks`, `locktype = 'virtualxid'`) until it ends, and one that began later sees
+/// the `REVOKE`. Like `CREATE INDEX CONCURRENTLY`, it waits as long as it takes, and says
+/// every 10 s on stderr which sessions it waits for (pid, user, application, since when;
+/// never their query text).
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn wait_for_older_transactions(client: &Client) -> Result<(), Error> {
+    let older: Vec<String> = client
+        .query(
+            "SELECT virtualxid FROM pg_catalog.pg_locks
+              WHERE locktype = 'virtualxid' AND granted AND mode = 'ExclusiveLock'
+                AND virtualxid IS NOT NULL AND pid IS DISTINCT FROM pg_catalog.pg_backend_pid()",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("listing the running transactions", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let started = Instant::now();
+    let mut said = Instant::now();
+    loop {
+        let rows = client
+            .query(
+                "SELECT pg_catalog.format('pid %s (user %s, application %s, in a transaction since %s)',
+                        l.pid, coalesce(a.usename::text, '-'),
+                        coalesce(nullif(a.application_name, ''), '-'), coalesce(a.xact_start::text, '-'))
+                   FROM pg_catalog.pg_locks l
+                   LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+                  WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY($1)
+                  ORDER BY l.pid",
+                &[&older],
+            )
+            .await
+            .map_err(|e| Error::sql("waiting for the transactions older than the lockdown", e))?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        if said.elapsed() >= Duration::from_secs(10) {
+            said = Instant::now();
+            let who: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+            eprintln!(
+                "setup --lockdown: waiting {} s for {} transaction(s) that began before the REVOKE (they may still call pg_logical_emit_message); the marker is written once they end: {}",
+                started.elapsed().as_secs(),
+                who.len(),
+                who.join("; ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Applies `sql/unlock.sql` and returns the state after it. Idempotent.
@@ -181,6 +518,17 @@ pub async fn unlock(client: &Client) -> Result<LockdownState, Error> {
 mod tests {
     use super::*;
     use crate::outbox_schema::SchemaName;
+
+    #[test]
+    fn the_marker_is_written_with_its_own_prefix() {
+        let on = format!(
+            "'{}', '{}'",
+            crate::lockdown::MARKER_PREFIX,
+            std::str::from_utf8(crate::lockdown::MARKER_ON).unwrap()
+        );
+        assert!(MARKER_SQL.contains(&on), "{MARKER_SQL}");
+        assert!(!LOCKDOWN_SQL.contains("pg_logical_emit_message(true"));
+    }
 
     #[test]
     fn lockdown_is_only_for_the_default_schema() {

@@ -286,6 +286,8 @@ pub async fn setup(
             )
         })?;
     if schema.is_default() {
+        // Under lockdown: the helpers just installed are pgoutbox's own definitions.
+        super::lockdown::record_fingerprint(client).await?;
         client
             .batch_execute(crate::inbox::INBOX_SQL)
             .await

@@ -66,7 +66,8 @@ pub(super) struct Admitted {
     pub envelope: Envelope,
     /// Where it goes.
     pub exchange: Exchange,
-    /// Read under lockdown: its emitter was required (and present).
+    /// Read under lockdown: its emitter was required (and present), and the envelope does
+    /// not say it was never checked (`emitted_by_unchecked`, from `dead-letters requeue`).
     pub emitter_checked: bool,
 }
 
@@ -203,10 +204,13 @@ impl Admission {
         };
         let exchange = self.route(&envelope)?;
         self.check_broker_limit(&envelope)?;
+        // A requeued message whose emitter was not checked when first streamed keeps that
+        // verdict (`dead-letters requeue` marks it): never sent as checked.
+        let emitter_checked = locked && !envelope.emitted_by_unchecked;
         Ok(Admitted {
             envelope,
             exchange,
-            emitter_checked: locked,
+            emitter_checked,
         })
     }
 

@@ -216,6 +216,11 @@ async fn read_lockdown(
         return Ok(Lockdown::from_record(None));
     }
     let lockdown_state = admin::lockdown_state(sql).await?;
+    for weakness in &lockdown_state.weakened {
+        tracing::error!(
+            "lockdown weakened: {weakness}; then run `pgoutbox setup --lockdown` as a superuser"
+        );
+    }
     Ok(Lockdown::from_record(lockdown_state.since()))
 }
 

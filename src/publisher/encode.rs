@@ -225,6 +225,7 @@ mod tests {
                 .unwrap(),
             payload: Bytes::from_static(b"{}"),
             emitted_by: Some("app".into()),
+            emitted_by_unchecked: false,
             exchange: Some("orders".into()),
             meta,
         }

@@ -131,9 +131,19 @@ async fn lockdown_stops_direct_emits_and_dead_letters_forged_messages() {
         .await
         .unwrap();
 
-    let out = setup(&ob, &["--lockdown"]);
-    assert!(out.contains("lockdown: on since"), "{out}");
+    // The lockdown waits for that transaction (older than its REVOKE) before it writes
+    // its marker.
+    let lockdown = spawn_setup(&ob, "--lockdown");
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            can_emit(&ob, &role) == "false,false"
+        })
+        .await,
+        "the REVOKE commits"
+    );
     producer.batch_execute("COMMIT").await.unwrap();
+    let out = finish(lockdown).await;
+    assert!(out.contains("lockdown: on since"), "{out}");
     let lockdown_lsn = ob.sql("SELECT enabled_at_lsn FROM outbox.lockdown");
     // Idempotent, and a plain setup (which replaces the functions) keeps the lockdown.
     setup(&ob, &["--lockdown"]);
@@ -321,5 +331,401 @@ async fn lockdown_needs_a_superuser() {
         "{err}"
     );
     assert_eq!(ob.sql("SELECT count(*) FROM outbox.lockdown").trim(), "0");
+    ob.sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
+
+/// The signature of `outbox._envelope` (as `sql/outbox.sql` declares it).
+const ENVELOPE_SIG: &str = "text, bytea, text, jsonb, text, text, text, text, text, text, bigint, text, bigint, integer, text, text, text";
+
+/// A version-3 envelope naming `who` as its emitter, built by hand (what a direct
+/// `pg_logical_emit_message` can write): a self-written, unchecked `emitted_by`.
+fn forged_v3(topic: &str, id: &str, who: &str, payload: &str) -> String {
+    format!(
+        "(SELECT '\\x03'::bytea || int4send(octet_length(h)) || h || convert_to('{payload}', 'UTF8') FROM (SELECT convert_to('{{\"id\": \"{id}\", \"topic\": \"{topic}\", \"content_type\": \"application/json\", \"headers\": {{}}, \"emitted_by\": \"{who}\"}}', 'UTF8') AS h) s)"
+    )
+}
+
+/// `status --json`'s `lockdown.weakened` list, as text.
+fn weakened(ob: &Outbox<'_>) -> Vec<String> {
+    let (json, _) = status_json(ob);
+    json["lockdown"]["weakened"]
+        .as_array()
+        .unwrap_or_else(|| panic!("status --json has no lockdown.weakened: {json}"))
+        .iter()
+        .map(|w| w.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// `check`'s output (stdout and stderr) and exit code.
+fn check(ob: &Outbox<'_>) -> (String, Option<i32>) {
+    let out = ob.cli(&[
+        "check",
+        "--publication",
+        &ob.publication,
+        "--amqp-url",
+        &ob.amqp_url,
+        "--exchange",
+        &ob.exchange,
+    ]);
+    (
+        format!("{}{}", stdout(&out), String::from_utf8_lossy(&out.stderr)),
+        out.status.code(),
+    )
+}
+
+/// Issue 21, item 1: a LOGIN role that owns schema `outbox` (the application's or a
+/// migration tool's role, a common layout) drops `outbox._envelope` and creates its own,
+/// which the SECURITY DEFINER `outbox.emit` then runs with the emitter's rights: a message
+/// published with a forged `x-pgoutbox-emitted-by`. Under lockdown the schema and every
+/// object the helpers run belong to the NOLOGIN `pgoutbox_emitter`, so the replacement
+/// (and a trigger on `outbox.idempotency`) is refused; when a superuser later hands the
+/// schema back to a login role and the helper is replaced, `status` and `check` report the
+/// lockdown as weakened, and `setup --lockdown` restores it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_owner_cannot_forge_an_emitter_under_lockdown() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "lockdown_owner").await;
+    let owner = support::unique("lk_schema_owner");
+    // The application's migration role owns the schema and pgoutbox's objects in it.
+    ob.sql(&format!(
+        "CREATE ROLE {owner} LOGIN; ALTER SCHEMA outbox OWNER TO {owner}; \
+         ALTER FUNCTION outbox._envelope({ENVELOPE_SIG}) OWNER TO {owner}; \
+         ALTER TABLE outbox.idempotency OWNER TO {owner}"
+    ));
+    ob.sql("CREATE FUNCTION public.lk_tr() RETURNS trigger LANGUAGE plpgsql AS $f$BEGIN RETURN NEW; END$f$");
+    setup(&ob, &["--lockdown"]);
+
+    let app = connect_as(pg, &owner, &ob.db).await;
+    let replace = format!(
+        "DROP FUNCTION outbox._envelope({ENVELOPE_SIG}); \
+         CREATE FUNCTION outbox._envelope(topic text, payload bytea, content_type text, headers jsonb, message_id text, \
+             exchange text DEFAULT NULL, correlation_id text DEFAULT NULL, causation_id text DEFAULT NULL, \
+             aggregate_type text DEFAULT NULL, aggregate_id text DEFAULT NULL, aggregate_version bigint DEFAULT NULL, \
+             tenant text DEFAULT NULL, expiration bigint DEFAULT NULL, priority integer DEFAULT NULL, \
+             traceparent text DEFAULT NULL, tracestate text DEFAULT NULL, idempotency_key text DEFAULT NULL) \
+         RETURNS bytea LANGUAGE sql AS $f$ \
+             SELECT '\\x03'::bytea || int4send(octet_length(h)) || h || payload FROM \
+             (SELECT convert_to(jsonb_build_object('id', message_id, 'topic', topic, 'content_type', content_type, \
+                 'headers', headers, 'emitted_by', 'the_ceo')::text, 'UTF8') AS h) s $f$"
+    );
+    let refused = sql_error(&app, &replace).await;
+    let trigger = sql_error(
+        &app,
+        "CREATE TRIGGER lk_tr BEFORE INSERT ON outbox.idempotency FOR EACH ROW EXECUTE FUNCTION public.lk_tr()",
+    )
+    .await;
+    app.batch_execute("SELECT outbox.emit('lk.t', '{}', '{}', 'owner-emit')")
+        .await
+        .expect("the schema's former owner still emits through the helper");
+
+    let streamer = ob.run(&[]);
+    let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(ids(&got), ["owner-emit"], "{}", streamer.log());
+    assert_eq!(
+        got[0].headers.get(EMITTED_BY),
+        Some(&owner),
+        "published with a forged emitter: {:?}",
+        got[0].headers
+    );
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("must be owner")),
+        "the schema's former owner replaced outbox._envelope: {refused:?}"
+    );
+    assert!(
+        trigger
+            .as_deref()
+            .is_some_and(|e| e.contains("permission denied for table idempotency")),
+        "a trigger on outbox.idempotency: {trigger:?}"
+    );
+    assert_eq!(weakened(&ob), Vec::<String>::new());
+    let (text, code) = check(&ob);
+    assert!(
+        text.contains("lockdown") && !text.contains("WEAKENED"),
+        "{text}"
+    );
+    assert_eq!(code, Some(0), "{text}");
+
+    // A superuser weakens it: the schema back to the login role, which replaces the helper.
+    ob.sql(&format!("ALTER SCHEMA outbox OWNER TO {owner}"));
+    assert!(
+        sql_error(&app, &replace).await.is_none(),
+        "the schema owner may drop and create in it"
+    );
+    let weak = weakened(&ob);
+    assert!(
+        weak.iter().any(|w| w.contains("schema outbox")
+            && w.contains(&owner)
+            && w.contains("ALTER SCHEMA outbox OWNER TO pgoutbox_emitter")),
+        "{weak:?}"
+    );
+    assert!(
+        weak.iter().any(|w| w.contains("fingerprint")),
+        "the replaced helper: {weak:?}"
+    );
+    let (text, code) = check(&ob);
+    assert!(text.contains("WEAKENED") && text.contains(&owner), "{text}");
+    assert_ne!(code, Some(0), "{text}");
+    let out = ob.cli(&["status", "--publication", &ob.publication]);
+    assert!(stdout(&out).contains("WEAKENED"), "{}", stdout(&out));
+
+    // setup --lockdown puts the helpers and the owners back.
+    setup(&ob, &["--lockdown"]);
+    assert_eq!(weakened(&ob), Vec::<String>::new());
+    app.batch_execute("SELECT outbox.emit('lk.t', '{}', '{}', 'owner-emit-2')")
+        .await
+        .unwrap();
+    let got = ob.drain(1, scaled(Duration::from_secs(20))).await;
+    assert_eq!(ids(&got), ["owner-emit-2"], "{}", streamer.log());
+    assert_eq!(got[0].headers.get(EMITTED_BY), Some(&owner));
+
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    drop(app);
+    setup(&ob, &["--unlock"]);
+    // --unlock gave the schema back to its owner before the lockdown.
+    assert_eq!(
+        ob.sql("SELECT nspowner::regrole FROM pg_namespace WHERE nspname = 'outbox'")
+            .trim(),
+        owner
+    );
+    ob.sql(&format!(
+        "REASSIGN OWNED BY {owner} TO CURRENT_USER; DROP OWNED BY {owner}; DROP ROLE {owner}"
+    ));
+}
+
+/// `pgoutbox setup --publication ... flag` started in the background (it may wait).
+fn spawn_setup(ob: &Outbox<'_>, flag: &str) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args([
+            "setup",
+            "--publication",
+            &ob.publication,
+            flag,
+            "--database-url",
+            &ob.url(),
+            "--slot",
+            &ob.slot,
+        ])
+        .env("NO_COLOR", "1")
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn pgoutbox setup")
+}
+
+/// Waits for a background `setup` to end, and returns its output (it must succeed).
+async fn finish(child: std::process::Child) -> String {
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    format!("{}{}", stdout(&out), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Issue 21, item 2: direct `pg_logical_emit_message` calls that race the lockdown, each
+/// with a self-written `emitted_by`, are never trusted:
+/// - one made while the lockdown transaction is held open (a superuser session holds the
+///   row of schema `outbox` in `pg_namespace`, which the lockdown alters), so the REVOKE
+///   is not visible yet;
+/// - one from a cursor declared before the lockdown (PostgreSQL checks EXECUTE when the
+///   query starts) and fetched after the lockdown committed: its LSN is after the lockdown
+///   transaction's commit, so no LSN of that transaction can be the trust boundary.
+/// `setup --lockdown` waits for every transaction older than its REVOKE to end before it
+/// writes the marker, and both are published as written before the lockdown: without the
+/// `x-pgoutbox-emitted-by` header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_emits_racing_the_lockdown_are_not_trusted() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "lockdown_race").await;
+    let role = support::unique("lk_racer");
+    ob.sql(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA outbox TO {role}"
+    ));
+    let racer = connect_as(pg, &role, &ob.db).await;
+    let cursor = connect_as(pg, &role, &ob.db).await;
+    let holder = Postgres::client_url(&ob.url()).await.unwrap();
+    let streamer = ob.run(&[]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+
+    cursor
+        .batch_execute(&format!(
+            "BEGIN; DECLARE c CURSOR FOR SELECT pg_logical_emit_message(true, 'pgoutbox', {})",
+            forged_v3("lk.t", "race-cursor", "the_ceo", "{}")
+        ))
+        .await
+        .unwrap();
+    // Holds the row of schema outbox in pg_namespace, which only the lockdown's own SQL
+    // updates (after its REVOKE); rolled back, so the lockdown then goes on.
+    holder
+        .batch_execute("BEGIN; GRANT USAGE ON SCHEMA outbox TO pgoutbox_producer")
+        .await
+        .unwrap();
+    let lockdown = spawn_setup(&ob, "--lockdown");
+    let db = ob.db.clone();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            ob.sql(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND wait_event_type = 'Lock'"
+            ))
+            .trim()
+                == "1"
+        })
+        .await,
+        "the lockdown waits for the held row"
+    );
+    racer
+        .batch_execute(&format!(
+            "SELECT pg_logical_emit_message(true, 'pgoutbox', {})",
+            forged_v3("lk.t", "race-open", "the_ceo", "{}")
+        ))
+        .await
+        .expect("the REVOKE is not visible while the lockdown is open");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            can_emit(&ob, &role) == "false,false"
+        })
+        .await,
+        "the REVOKE commits"
+    );
+    cursor
+        .batch_execute("FETCH ALL FROM c; COMMIT")
+        .await
+        .expect("the cursor checked EXECUTE before the REVOKE");
+    let out = finish(lockdown).await;
+    assert!(out.contains("lockdown: on since"), "{out}");
+    racer
+        .batch_execute("SELECT outbox.emit('lk.t', '{}', '{}', 'helper-after')")
+        .await
+        .unwrap();
+
+    let got = ob.drain(3, scaled(Duration::from_secs(20))).await;
+    assert_eq!(
+        ids(&got),
+        ["race-open", "race-cursor", "helper-after"],
+        "{}",
+        streamer.log()
+    );
+    assert_eq!(
+        got[0].headers.get(EMITTED_BY),
+        None,
+        "trusted: {:?}",
+        got[0].headers
+    );
+    assert_eq!(
+        got[1].headers.get(EMITTED_BY),
+        None,
+        "trusted: {:?}",
+        got[1].headers
+    );
+    assert_eq!(got[2].headers.get(EMITTED_BY), Some(&role));
+    assert_eq!(dead_letters(&ob), Vec::<(String, String)>::new());
+
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    drop((racer, cursor, holder));
+    setup(&ob, &["--unlock"]);
+    ob.sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
+}
+
+/// Issue 21, item 3: `dead-letters requeue` keeps each dead letter's trust verdict. A
+/// message written directly before the lockdown (a self-written `emitted_by`, never
+/// checked) and one written through the helper under it (checked) are both dead-lettered
+/// as too large, then requeued under lockdown: the first is published without
+/// `x-pgoutbox-emitted-by` (before the fix, the re-emit after the lockdown made its forged
+/// emitter trusted), the second still with its emitter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_keeps_the_trust_verdict_of_a_dead_letter() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "lockdown_requeue").await;
+    let role = support::unique("lk_requeuer");
+    ob.sql(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA outbox TO {role}"
+    ));
+    let producer = connect_as(pg, &role, &ob.db).await;
+    let big = "x".repeat(600);
+    let small = ob.run(&["--max-message-bytes", "400"]);
+    producer
+        .batch_execute(&format!(
+            "SELECT pg_logical_emit_message(true, 'pgoutbox', {})",
+            forged_v3("lk.t", "dl-before", "the_ceo", &format!("\"{big}\""))
+        ))
+        .await
+        .unwrap();
+    let count = |n: usize| {
+        let ob = &ob;
+        async move {
+            support::wait_until(scaled(Duration::from_secs(30)), || async {
+                dead_letters(ob).len() == n
+            })
+            .await
+        }
+    };
+    assert!(count(1).await, "{}", small.log());
+    setup(&ob, &["--lockdown"]);
+    producer
+        .batch_execute(&format!(
+            "SELECT outbox.emit('lk.t', to_jsonb('{big}'::text), '{{}}', 'dl-after')"
+        ))
+        .await
+        .unwrap();
+    assert!(count(2).await, "{}", small.log());
+    assert_eq!(
+        dead_letters(&ob),
+        [
+            ("dl-before".to_owned(), "too_large".to_owned()),
+            ("dl-after".to_owned(), "too_large".to_owned())
+        ]
+    );
+    small.sigterm();
+    small.wait_exit(scaled(Duration::from_secs(20))).await;
+
+    let streamer = ob.run(&[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args([
+            "dead-letters",
+            "requeue",
+            "--all",
+            "--database-url",
+            &ob.url(),
+        ])
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = ob.drain(2, scaled(Duration::from_secs(20))).await;
+    assert_eq!(ids(&got), ["dl-before", "dl-after"], "{}", streamer.log());
+    assert_eq!(
+        got[0].headers.get(EMITTED_BY),
+        None,
+        "a requeue made a forged emitter trusted: {:?}",
+        got[0].headers
+    );
+    assert_eq!(got[1].headers.get(EMITTED_BY), Some(&role));
+    assert_eq!(dead_letters(&ob).len(), 2, "nothing dead-lettered again");
+
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    drop(producer);
+    setup(&ob, &["--unlock"]);
     ob.sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"));
 }
