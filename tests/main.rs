@@ -27,6 +27,7 @@ mod outboxes;
 mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;
+mod reference;
 mod roles;
 mod routing;
 mod secrets;
