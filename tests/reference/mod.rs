@@ -259,3 +259,48 @@ fn man_pages_one_per_command() {
     assert!(run.contains("Examples:"), "the examples are there");
     assert!(want.len() >= 14, "{want:?}");
 }
+
+/// Every book or deploy page the code, the SQL, the scripts and the tests name
+/// (`docs/src/operators/gaps.md`, `deploy/...md`) exists and is not a stub that says the
+/// page moved: a pointer in an error message or a comment follows the page.
+#[test]
+fn pages_named_in_code_exist_and_have_not_moved() {
+    let root = repo();
+    let mut all = Vec::new();
+    for dir in ["src", "sql", "deploy", "tests", "examples"] {
+        files(
+            &root.join(dir),
+            &["rs", "sql", "sh", "yml", "yaml", "toml", "service", "example"],
+            &mut all,
+        );
+    }
+    all.push(root.join("deploy/Dockerfile"));
+    // The link checker's fixtures, and this test's own text.
+    all.retain(|p| !p.starts_with(root.join("tests/docs_links")) && !p.starts_with(root.join("tests/reference")));
+    let mut bad = Vec::new();
+    for path in &all {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        for start in text.match_indices("docs/").map(|(i, _)| i).chain(text.match_indices("deploy/").map(|(i, _)| i)) {
+            if start > 0 && text.as_bytes()[start - 1].is_ascii_alphanumeric() {
+                continue;
+            }
+            let name: String = text[start..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || "/._-".contains(*c))
+                .collect();
+            let Some(name) = name.strip_suffix(".md").map(|n| format!("{n}.md")) else {
+                continue;
+            };
+            let page = std::fs::read_to_string(root.join(&name));
+            let here = path.strip_prefix(&root).unwrap().display().to_string();
+            match page {
+                Err(_) => bad.push(format!("{here}: {name} does not exist")),
+                Ok(p) if p.contains("This page moved") => {
+                    bad.push(format!("{here}: {name} moved (name the page it points to)"))
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
+}
