@@ -93,7 +93,9 @@ fn see_page(setting: &str) {
 /// `docs reference|man --out DIR`: writes the generated pages and lists them.
 fn docs(cmd: DocsCommand) -> ExitCode {
     let (dir, written) = match &cmd {
-        DocsCommand::Reference(args) => (&args.out, pgoutbox::cli::docs::write_reference(&args.out)),
+        DocsCommand::Reference(args) => {
+            (&args.out, pgoutbox::cli::docs::write_reference(&args.out))
+        }
         DocsCommand::Man(args) => (&args.out, pgoutbox::cli::docs::write_man_pages(&args.out)),
     };
     match written {

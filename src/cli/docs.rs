@@ -33,17 +33,63 @@ pub const REGENERATE: &str = "cargo run -- docs reference --out docs/src/referen
 /// The book pages that explain each command (relative to `docs/src/`): (command path,
 /// [(title, page)]).
 const COMMAND_PAGES: &[(&str, &[(&str, &str)])] = &[
-    ("setup", &[("Requirements", "operators/postgres.md"), ("Roles", "operators/roles.md"), ("Lockdown", "producers/lockdown.md")]),
-    ("run", &[("Deploy", "operators/deploy.md"), ("Configure", "operators/configuration.md")]),
-    ("check", &[("Check, status, peek, teardown", "operators/inspect.md")]),
-    ("status", &[("Check, status, peek, teardown", "operators/inspect.md")]),
-    ("peek", &[("Check, status, peek, teardown", "operators/inspect.md")]),
-    ("teardown", &[("Check, status, peek, teardown", "operators/inspect.md")]),
-    ("maintenance", &[("Retention and maintenance", "operators/retention.md")]),
-    ("journal", &[("The delivery journal", "operators/journal.md")]),
-    ("dead-letters", &[("Dead letters", "operators/dead-letters.md")]),
-    ("completions", &[("Deploy", "operators/deploy.md#shell-completions-and-man-pages")]),
-    ("docs", &[("Deploy", "operators/deploy.md#shell-completions-and-man-pages")]),
+    (
+        "setup",
+        &[
+            ("Requirements", "operators/postgres.md"),
+            ("Roles", "operators/roles.md"),
+            ("Lockdown", "producers/lockdown.md"),
+        ],
+    ),
+    (
+        "run",
+        &[
+            ("Deploy", "operators/deploy.md"),
+            ("Configure", "operators/configuration.md"),
+        ],
+    ),
+    (
+        "check",
+        &[("Check, status, peek, teardown", "operators/inspect.md")],
+    ),
+    (
+        "status",
+        &[("Check, status, peek, teardown", "operators/inspect.md")],
+    ),
+    (
+        "peek",
+        &[("Check, status, peek, teardown", "operators/inspect.md")],
+    ),
+    (
+        "teardown",
+        &[("Check, status, peek, teardown", "operators/inspect.md")],
+    ),
+    (
+        "maintenance",
+        &[("Retention and maintenance", "operators/retention.md")],
+    ),
+    (
+        "journal",
+        &[("The delivery journal", "operators/journal.md")],
+    ),
+    (
+        "dead-letters",
+        &[("Dead letters", "operators/dead-letters.md")],
+    ),
+    (
+        "completions",
+        &[(
+            "Deploy",
+            "operators/deploy.md#shell-completions-and-man-pages",
+        )],
+    ),
+    (
+        "docs",
+        &[(
+            "Deploy",
+            "operators/deploy.md#shell-completions-and-man-pages",
+        )],
+    ),
 ];
 
 /// The book page (relative to `docs/src/`) that explains a flag: the topic page of the
@@ -334,7 +380,11 @@ fn command_section(out: &mut String, path: &[String], cmd: &clap::Command) {
                 .and_then(|n| n.first())
                 .map(|n| n.to_string())
                 .unwrap_or_else(|| arg.get_id().to_string().to_uppercase());
-            let doc = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
+            let doc = arg
+                .get_long_help()
+                .or(arg.get_help())
+                .map(|h| h.to_string())
+                .unwrap_or_default();
             let possible: Vec<String> = arg
                 .get_possible_values()
                 .iter()
@@ -359,7 +409,11 @@ fn command_section(out: &mut String, path: &[String], cmd: &clap::Command) {
     let mut heading: Option<Option<String>> = None;
     for s in &options {
         if heading.as_ref() != Some(&s.heading) {
-            let _ = writeln!(out, "### {} options\n", s.heading.as_deref().unwrap_or("General"));
+            let _ = writeln!(
+                out,
+                "### {} options\n",
+                s.heading.as_deref().unwrap_or("General")
+            );
             heading = Some(s.heading.clone());
         }
         let value = s
@@ -377,8 +431,21 @@ fn command_section(out: &mut String, path: &[String], cmd: &clap::Command) {
         );
     }
     if let Some(examples) = cmd.get_after_long_help() {
-        let _ = writeln!(out, "### Examples\n\n```text\n{}\n```", examples.to_string().trim_end());
+        let _ = writeln!(
+            out,
+            "### Examples\n\n```text\n{}\n```",
+            examples.to_string().trim_end()
+        );
     }
+}
+
+/// Where one variable is read: its flag, the commands (with the anchor of each entry), the
+/// defaults, the first sentence of its doc.
+struct EnvUse {
+    flag: String,
+    users: Vec<(String, String)>,
+    defaults: Vec<String>,
+    doc: String,
 }
 
 fn environment_page(root: &clap::Command) -> String {
@@ -391,9 +458,7 @@ fn environment_page(root: &clap::Command) -> String {
          variable, then config file, then default.\n\n",
     );
     out.push_str("| variable | flag | read by | default | meaning |\n|---|---|---|---|---|\n");
-    // variable -> (flag, [(command path, anchor)], defaults, doc)
-    let mut vars: BTreeMap<String, (String, Vec<(String, String)>, Vec<String>, String)> =
-        BTreeMap::new();
+    let mut vars: BTreeMap<String, EnvUse> = BTreeMap::new();
     for (path, _) in commands(root) {
         let path_str: Vec<&str> = path.iter().map(String::as_str).collect();
         for s in settings(&path_str).unwrap_or_default() {
@@ -401,23 +466,35 @@ fn environment_page(root: &clap::Command) -> String {
             if s.hidden {
                 continue;
             }
-            let entry = vars
-                .entry(env)
-                .or_insert_with(|| (s.flag.clone(), Vec::new(), Vec::new(), first_sentence(&s.doc)));
+            let entry = vars.entry(env).or_insert_with(|| EnvUse {
+                flag: s.flag.clone(),
+                users: Vec::new(),
+                defaults: Vec::new(),
+                doc: first_sentence(&s.doc),
+            });
             let command = if path.is_empty() {
                 "every command".to_owned()
             } else {
                 path.join(" ")
             };
-            entry.1.push((command, flag_anchor(&path, &s.flag)));
+            entry.users.push((command, flag_anchor(&path, &s.flag)));
             if let Some(d) = s.default {
-                if !entry.2.contains(&d) {
-                    entry.2.push(d);
+                if !entry.defaults.contains(&d) {
+                    entry.defaults.push(d);
                 }
             }
         }
     }
-    for (env, (flag, users, defaults, doc)) in &vars {
+    for (
+        env,
+        EnvUse {
+            flag,
+            users,
+            defaults,
+            doc,
+        },
+    ) in &vars
+    {
         let _ = writeln!(
             out,
             "| `{env}` | `{flag}` | {} | {} | {} |",
@@ -469,7 +546,10 @@ fn config_file_page() -> String {
             ValueForm::Number => "an integer".to_owned(),
             ValueForm::OneOf(v) => format!(
                 "a string: {}",
-                v.iter().map(|v| format!("`\"{v}\"`")).collect::<Vec<_>>().join(", ")
+                v.iter()
+                    .map(|v| format!("`\"{v}\"`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
             ValueForm::Text => "a string".to_owned(),
         };
@@ -479,7 +559,10 @@ fn config_file_page() -> String {
         let _ = writeln!(
             out,
             "| `{key}` | {form} | {} | [`{}`](cli.md#{}) | {} |",
-            s.default.as_deref().map(|d| format!("`{d}`")).unwrap_or_default(),
+            s.default
+                .as_deref()
+                .map(|d| format!("`{d}`"))
+                .unwrap_or_default(),
             s.flag,
             flag_anchor(&run, &s.flag),
             cell(&first_sentence(&s.doc))
@@ -508,7 +591,11 @@ fn metrics_page(metrics: &[MetricDoc]) -> String {
                 } else {
                     format!(
                         "`{label}`: {}",
-                        values.iter().map(|v| format!("`{v}`")).collect::<Vec<_>>().join(", ")
+                        values
+                            .iter()
+                            .map(|v| format!("`{v}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     )
                 }
             })
@@ -519,7 +606,11 @@ fn metrics_page(metrics: &[MetricDoc]) -> String {
         } else {
             format!(
                 " (buckets, seconds: {})",
-                m.buckets.iter().map(|b| format!("`{b}`")).collect::<Vec<_>>().join(", ")
+                m.buckets
+                    .iter()
+                    .map(|b| format!("`{b}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )
         };
         let _ = writeln!(
@@ -541,7 +632,11 @@ fn exit_codes_page() -> String {
     }
     out.push_str("\nCommands that exit by other rules:\n\n| command | exit |\n|---|---|\n");
     for (command, rule) in exit_code::BY_COMMAND {
-        let _ = writeln!(out, "| [`pgoutbox {command}`](cli.md#{command}) | {} |", cell(rule));
+        let _ = writeln!(
+            out,
+            "| [`pgoutbox {command}`](cli.md#{command}) | {} |",
+            cell(rule)
+        );
     }
     out.push_str(
         "\nSee [Check, status, peek, teardown](../operators/inspect.md) for `status`, and \
@@ -597,9 +692,13 @@ mod tests {
         let mut texts = Vec::new();
         for (path, cmd) in commands(&root) {
             let name = path.join(" ");
-            for text in [cmd.get_about(), cmd.get_long_about(), cmd.get_after_long_help()]
-                .into_iter()
-                .flatten()
+            for text in [
+                cmd.get_about(),
+                cmd.get_long_about(),
+                cmd.get_after_long_help(),
+            ]
+            .into_iter()
+            .flatten()
             {
                 texts.push((name.clone(), text.to_string()));
             }
@@ -623,7 +722,10 @@ mod tests {
                     .map(move |name| format!("{place}: {name}"))
             })
             .collect();
-        assert!(bad.is_empty(), "help names metrics that do not exist: {bad:?}");
+        assert!(
+            bad.is_empty(),
+            "help names metrics that do not exist: {bad:?}"
+        );
     }
 
     #[test]
@@ -650,7 +752,10 @@ mod tests {
     #[test]
     fn a_flag_points_to_its_page() {
         assert_eq!(page_for_flag("--max-in-flight"), "operators/tuning.md");
-        assert_eq!(page_for_flag("--max-in-flight-bytes <MAX_IN_FLIGHT_BYTES>"), "operators/tuning.md");
+        assert_eq!(
+            page_for_flag("--max-in-flight-bytes <MAX_IN_FLIGHT_BYTES>"),
+            "operators/tuning.md"
+        );
         assert_eq!(page_for_flag("--accept-gap"), "operators/gaps.md");
         assert_eq!(page_for_flag("--amqp-ca-file"), "operators/tls-rabbitmq.md");
         assert_eq!(page_for_flag("--nope"), "reference/cli.md");
@@ -661,13 +766,26 @@ mod tests {
     fn the_pages_list_every_flag_variable_key_metric_and_reason() {
         let pages: BTreeMap<&str, String> = reference_pages().into_iter().collect();
         let cli = &pages["cli.md"];
-        for s in super::super::reference::run_settings().iter().filter(|s| !s.hidden) {
-            assert!(cli.contains(&format!("{{#run-{}}}", s.flag.trim_start_matches('-'))), "{}", s.flag);
+        for s in super::super::reference::run_settings()
+            .iter()
+            .filter(|s| !s.hidden)
+        {
+            assert!(
+                cli.contains(&format!("{{#run-{}}}", s.flag.trim_start_matches('-'))),
+                "{}",
+                s.flag
+            );
             if let Some(env) = &s.env {
-                assert!(pages["environment.md"].contains(&format!("`{env}`")), "{env}");
+                assert!(
+                    pages["environment.md"].contains(&format!("`{env}`")),
+                    "{env}"
+                );
             }
             if let Some(key) = &s.config_key {
-                assert!(pages["config-file.md"].contains(&format!("`{key}`")), "{key}");
+                assert!(
+                    pages["config-file.md"].contains(&format!("`{key}`")),
+                    "{key}"
+                );
             }
         }
         assert!(!cli.contains("--failpoint"), "test hooks stay out");
@@ -675,7 +793,10 @@ mod tests {
             assert!(pages["metrics.md"].contains(&format!("`{name}`")), "{name}");
         }
         for (reason, _) in dead_letter_reason::ALL {
-            assert!(pages["dead-letter-reasons.md"].contains(&format!("`{reason}`")), "{reason}");
+            assert!(
+                pages["dead-letter-reasons.md"].contains(&format!("`{reason}`")),
+                "{reason}"
+            );
         }
         assert!(cli.contains("## pgoutbox dead-letters list {#dead-letters-list}"));
     }

@@ -556,7 +556,10 @@ mod tests {
             .filter(|s| s.value == reference::ValueForm::Number)
             .map(|s| s.flag)
             .collect();
-        assert!(numeric.iter().any(|f| f == "--stall-after-s"), "{numeric:?}");
+        assert!(
+            numeric.iter().any(|f| f == "--stall-after-s"),
+            "{numeric:?}"
+        );
         for flag in &numeric {
             let e = Cli::try_parse_from(["pgoutbox", "run", flag, "+5"]).unwrap_err();
             assert!(

@@ -68,11 +68,12 @@ fn parse_exposition(text: &str) -> Vec<MetricDoc> {
             for (label, value) in sample_labels(line) {
                 if label == "le" {
                     // The encoder writes the last bucket's bound as f64::MAX.
-                    let value = if value == f64::MAX.to_string() || value == format!("{:e}", f64::MAX) {
-                        "+Inf".to_owned()
-                    } else {
-                        value
-                    };
+                    let value =
+                        if value == f64::MAX.to_string() || value == format!("{:e}", f64::MAX) {
+                            "+Inf".to_owned()
+                        } else {
+                            value
+                        };
                     if !family.buckets.contains(&value) {
                         family.buckets.push(value);
                     }
@@ -138,17 +139,18 @@ pub fn unknown_metric_names(text: &str, known: &[MetricDoc]) -> Vec<String> {
         let start = from + at;
         let mut end = start + "pgoutbox_".len();
         while end < bytes.len()
-            && (bytes[end].is_ascii_lowercase() || bytes[end].is_ascii_digit() || bytes[end] == b'_')
+            && (bytes[end].is_ascii_lowercase()
+                || bytes[end].is_ascii_digit()
+                || bytes[end] == b'_')
         {
             end += 1;
         }
         from = end;
-        let preceded = start > 0
-            && (bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let preceded =
+            start > 0 && (bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
         let name = text[start..end].trim_end_matches('_');
         let first = name.as_bytes().get("pgoutbox_".len());
-        if preceded || !first.is_some_and(u8::is_ascii_lowercase) || NOT_METRICS.contains(&name)
-        {
+        if preceded || !first.is_some_and(u8::is_ascii_lowercase) || NOT_METRICS.contains(&name) {
             continue;
         }
         let is_known = known.iter().any(|m| {
@@ -193,7 +195,11 @@ mod tests {
         let hist = get(super::super::CONFIRM_LATENCY_SECONDS);
         assert_eq!(hist.kind, "histogram");
         assert!(hist.labels.is_empty());
-        assert!(hist.buckets.contains(&"+Inf".to_owned()), "{:?}", hist.buckets);
+        assert!(
+            hist.buckets.contains(&"+Inf".to_owned()),
+            "{:?}",
+            hist.buckets
+        );
         let info = get(super::super::BUILD_INFO);
         assert_eq!(info.labels, vec![("version".to_owned(), vec![])]);
         assert_eq!(get(super::super::STALLED).kind, "gauge");

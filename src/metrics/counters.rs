@@ -8,9 +8,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 use super::{
-    Turn, JOURNAL_DROP_REASONS, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL, MESSAGES_CONFIRMED_TOTAL,
-    MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL, MESSAGES_PUBLISHED_TOTAL,
-    MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
+    Turn, JOURNAL_DROP_REASONS, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL,
+    MESSAGES_CONFIRMED_TOTAL, MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL,
+    MESSAGES_PUBLISHED_TOTAL, MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
     RECONNECT_CAUSES, RETENTION_ROWS_DELETED_TOTAL, RETENTION_TABLES, SESSIONS_STARTED_TOTAL,
 };
 use crate::contract::dead_letter_reason;
@@ -131,7 +131,10 @@ impl Counters {
 
     /// A session ended with a retryable failure of `cause`.
     pub fn reconnect(&self, cause: &'static str) {
-        debug_assert!(RECONNECT_CAUSES.contains(&cause), "{cause}: add it to RECONNECT_CAUSES");
+        debug_assert!(
+            RECONNECT_CAUSES.contains(&cause),
+            "{cause}: add it to RECONNECT_CAUSES"
+        );
         self.reconnects.get_or_create(&[("cause", cause)]).inc();
     }
 
@@ -142,7 +145,10 @@ impl Counters {
 
     /// `rows` journal rows were dropped for `reason`.
     pub fn journal_dropped(&self, reason: &'static str, rows: u64) {
-        debug_assert!(JOURNAL_DROP_REASONS.contains(&reason), "{reason}: add it to JOURNAL_DROP_REASONS");
+        debug_assert!(
+            JOURNAL_DROP_REASONS.contains(&reason),
+            "{reason}: add it to JOURNAL_DROP_REASONS"
+        );
         self.journal_dropped
             .get_or_create(&[("reason", reason)])
             .inc_by(rows);
@@ -150,7 +156,10 @@ impl Counters {
 
     /// The retention task deleted `rows` rows of `table`.
     pub fn retention_deleted(&self, table: &'static str, rows: u64) {
-        debug_assert!(RETENTION_TABLES.contains(&table), "{table}: add it to RETENTION_TABLES");
+        debug_assert!(
+            RETENTION_TABLES.contains(&table),
+            "{table}: add it to RETENTION_TABLES"
+        );
         self.retention_deleted
             .get_or_create(&[("table", table)])
             .inc_by(rows);

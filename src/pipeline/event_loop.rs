@@ -489,7 +489,8 @@ impl Core {
             // It does not fit this sink (for AMQP: its content header exceeds one frame of
             // this broker): it never will.
             Err(SinkError::Unsendable(error)) => {
-                self.settling.dead_letter_in_flight(seq, dead_letter_reason::TOO_LARGE, error)
+                self.settling
+                    .dead_letter_in_flight(seq, dead_letter_reason::TOO_LARGE, error)
             }
             Err(e) => Err(sink_failure(e)),
         }

@@ -337,7 +337,9 @@ impl Settling {
         let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {exchange:?} for routing key {topic:?}");
         m.first_error.get_or_insert_with(|| error.clone());
         match self.rules.on_unroutable {
-            UnroutablePolicy::DeadLetter => self.dead_letter_in_flight(seq, dead_letter_reason::RETURNED, error),
+            UnroutablePolicy::DeadLetter => {
+                self.dead_letter_in_flight(seq, dead_letter_reason::RETURNED, error)
+            }
             UnroutablePolicy::Block => {
                 let delay =
                     (NACK_RETRY_MIN * 2u32.saturating_pow(m.attempts.min(16))).min(BLOCK_RETRY_MAX);
