@@ -12,7 +12,7 @@
 --                      aggregate_type => 'order', aggregate_id => '42', aggregate_version => 3,
 --                      tenant => 'acme', idempotency_key => 'create-order-42');
 --
--- Envelope version 3 (see docs/envelope.md; decoded by src/envelope.rs, which still reads
+-- Envelope version 3 (see docs/src/reference/envelope.md; decoded by src/envelope.rs, which still reads
 -- versions 1 and 2):
 --   byte 0        version, 0x03
 --   bytes 1..5    N, the header length in bytes, unsigned 32-bit big-endian

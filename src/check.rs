@@ -69,7 +69,7 @@ pub async fn check(config: &RunConfig) -> Vec<Finding> {
     out
 }
 
-/// What producers may name and how exchanges are declared (README, Routing).
+/// What producers may name and how exchanges are declared (docs/src/producers/routing.md).
 fn routing_summary(config: &RunConfig) -> String {
     use crate::config::{AllowedExchanges, ExchangeDeclare};
     let allowed = match &config.broker.allowed_exchanges {

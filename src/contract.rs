@@ -6,8 +6,8 @@
 //! Both sides read them from here: the streamer when it publishes
 //! (the AMQP mapping in [`crate::publisher::encode`]), the decoder when it checks what a producer
 //! wrote ([`crate::envelope`]), and the consumer-side helper when it reads a delivery
-//! ([`crate::inbox`]). `docs/envelope.md` and the README's "Message contract" describe the
-//! same names; a name changes here or nowhere. Plain constants: no I/O, no dependency.
+//! ([`crate::inbox`]). The book's pages `docs/src/reference/envelope.md` and
+//! `docs/src/consumers/message.md` describe the same names; a name changes here or nowhere. Plain constants: no I/O, no dependency.
 
 /// Header with the message's own LSN (`X/Y` text); also the key that matches a
 /// `basic.return` to its publish (under `--publish-properties full`).
@@ -59,7 +59,49 @@ pub const MAX_EXPIRATION_MS: u64 = u32::MAX as u64;
 /// The AMQP `delivery-mode` of every publish: 2, persistent.
 pub const DELIVERY_MODE_PERSISTENT: u8 = 2;
 
-/// The JSON keys of the envelope header (`docs/envelope.md`), as `outbox._envelope` in
+/// The reasons a message is written to `outbox.dead_letter` (its `reason` column, the
+/// `reason` label of `pgoutbox_messages_dead_lettered_total`). The one list: the pipeline
+/// writes these constants, and the reference (`docs/src/reference/dead-letter-reasons.md`)
+/// and the metric's label values are generated from [`dead_letter_reason::ALL`].
+pub mod dead_letter_reason {
+    /// RabbitMQ nacked every one of `--max-attempts` publishes.
+    pub const NACKED: &str = "nacked";
+    /// RabbitMQ returned the message as unroutable (312 NO_ROUTE), under
+    /// `--on-unroutable dead-letter`.
+    pub const RETURNED: &str = "returned";
+    /// The message has the outbox's prefix but is no valid envelope, is non-transactional,
+    /// or names something that is no exchange name.
+    pub const POISON: &str = "poison";
+    /// The envelope exceeds `--max-message-bytes`, the payload the broker's
+    /// `max_message_size`, or its content header one AMQP frame.
+    pub const TOO_LARGE: &str = "too_large";
+    /// Under lockdown, a message written after it that does not come from the helpers.
+    pub const FORGED: &str = "forged";
+    /// The envelope's version is newer than this pgoutbox reads.
+    pub const UNSUPPORTED_ENVELOPE: &str = "unsupported_envelope";
+    /// The producer named an exchange that is not in `--allowed-exchanges`.
+    pub const EXCHANGE_NOT_ALLOWED: &str = "exchange_not_allowed";
+    /// The exchange the producer named does not exist (404 to a passive declare under
+    /// `--no-declare`).
+    pub const EXCHANGE_NOT_FOUND: &str = "exchange_not_found";
+    /// RabbitMQ refused to declare the exchange the producer named (406 or 403).
+    pub const EXCHANGE_REFUSED: &str = "exchange_refused";
+
+    /// Every reason, with one line on what happened, in the order the reference lists them.
+    pub const ALL: &[(&str, &str)] = &[
+        (NACKED, "RabbitMQ nacked every one of `--max-attempts` publishes (with backoff between them)"),
+        (RETURNED, "RabbitMQ returned the message as unroutable (312 NO_ROUTE: no queue bound for its routing key), under `--on-unroutable dead-letter`"),
+        (POISON, "the message has the outbox's prefix but is no valid envelope, is non-transactional, or names something that is no exchange name"),
+        (TOO_LARGE, "the envelope exceeds `--max-message-bytes`, the payload exceeds the broker's `max_message_size`, or its content header does not fit one AMQP frame"),
+        (FORGED, "under `setup --lockdown`, a message written after the lockdown that does not come from `outbox.emit`/`emit_bytes`"),
+        (UNSUPPORTED_ENVELOPE, "the envelope's version is newer than this pgoutbox reads (the SQL helpers were upgraded before the binary)"),
+        (EXCHANGE_NOT_ALLOWED, "the producer named an exchange that is neither in `--allowed-exchanges` nor `--exchange`"),
+        (EXCHANGE_NOT_FOUND, "the exchange the producer named does not exist (404 to the passive declare of `--no-declare`)"),
+        (EXCHANGE_REFUSED, "RabbitMQ refused to declare the exchange the producer named (406 PRECONDITION_FAILED or 403 ACCESS_REFUSED)"),
+    ];
+}
+
+/// The JSON keys of the envelope header (`docs/src/reference/envelope.md`), as `outbox._envelope` in
 /// `sql/outbox.sql` writes them.
 pub mod envelope_key {
     /// The message id (every version).

@@ -2,7 +2,7 @@
 //!
 //! `outbox.emit` / `outbox.emit_bytes` (see `sql/outbox.sql`) write one envelope as the
 //! content of a transactional logical decoding message with prefix [`PREFIX`]. Versions 1,
-//! 2 and 3 (see `docs/envelope.md`) share one layout:
+//! 2 and 3 (see `docs/src/reference/envelope.md`) share one layout:
 //!
 //! | bytes        | content                                                              |
 //! |--------------|----------------------------------------------------------------------|
@@ -130,8 +130,8 @@ pub struct Envelope {
 /// `None` when not given, and its JSON key is absent from the header then.
 ///
 /// Every text field is 1 to 255 bytes. How each reaches the AMQP message is described at
-/// `InFlight::to_outbound` (in `src/pipeline/in_flight.rs`) and in the README's "Event
-/// metadata" section.
+/// `InFlight::to_outbound` (in `src/pipeline/in_flight.rs`) and in the book's
+/// `docs/src/producers/metadata.md`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Metadata {
     /// `correlation_id`: the AMQP `correlation-id` property.
@@ -537,7 +537,7 @@ pub enum EnvelopeError {
 /// Decodes the content of a logical decoding message with prefix [`PREFIX`].
 ///
 /// Accepts envelope versions 1, 2 and 3 (layout in the module docs and
-/// `docs/envelope.md`). Header keys a version does not define are ignored, and JSON key
+/// `docs/src/reference/envelope.md`). Header keys a version does not define are ignored, and JSON key
 /// order does not matter. A version-2 or -3 header without `emitted_by` decodes with
 /// [`Envelope::emitted_by`] `None`; one whose `emitted_by` is not a string of 1 to 255
 /// bytes is an error. In version 3 the optional keys, when present, must have their type

@@ -3,18 +3,11 @@
 use std::process::ExitCode;
 
 use pgoutbox::admin::Force;
-use pgoutbox::cli::{Command, DeadLetterCommand, LogFormat};
+use pgoutbox::cli::exit_code::{STATUS_UNKNOWN as EXIT_STATUS_UNKNOWN, USAGE as EXIT_USAGE};
+use pgoutbox::cli::{Command, DeadLetterCommand, DocsCommand, LogFormat};
 use pgoutbox::config::{validate_identifier, RunConfig, ValidationError};
 use pgoutbox::error::{render_report, Error};
 use pgoutbox::{admin, pipeline};
-
-/// Exit status of a usage error: a bad flag or value on the command line or in a
-/// `PGOUTBOX_*` variable, whether clap or our validation finds it (clap exits 2 itself).
-const EXIT_USAGE: u8 = 2;
-
-/// Exit status of `status` when it cannot judge the slot's health at all (no connection, a
-/// catalog it cannot read): critical, like the worst it could have found.
-const EXIT_STATUS_UNKNOWN: u8 = 2;
 
 fn main() -> ExitCode {
     // Flags, then variables, then the --config file (a bad file is a usage error too).
@@ -26,18 +19,28 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    // The commands that only print what this binary knows: no tracing, no runtime.
+    let command = match cli.command {
+        Command::Completions(args) => {
+            pgoutbox::cli::docs::completions(args.shell, &mut std::io::stdout());
+            return ExitCode::SUCCESS;
+        }
+        Command::Docs(cmd) => return docs(cmd),
+        other => other,
+    };
     init_tracing(cli.log_format);
     // Settings are parsed and checked once, here, before anything else happens, so a bad
     // one is a usage error (exit 2), like the ones clap finds, and never a panic later (a
     // shutdown timeout of u64::MAX seconds used to overflow `Instant` at SIGTERM). What
     // `run` and `check` are handed is valid by construction.
-    let job = match Job::of(cli.command) {
+    let job = match Job::of(command) {
         Ok(job) => job,
         Err(e) => {
             report_exit(cli.log_format, &e);
             if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
                 eprintln!("  {note}");
             }
+            see_page(e.setting);
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -62,6 +65,9 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             report_exit(format, &e);
+            if let Error::Config(v) = &e {
+                see_page(v.setting);
+            }
             if is_status {
                 ExitCode::from(EXIT_STATUS_UNKNOWN)
             } else if matches!(e, Error::Config(_)) {
@@ -69,6 +75,39 @@ fn main() -> ExitCode {
             } else {
                 ExitCode::FAILURE
             }
+        }
+    }
+}
+
+/// Names, on stderr, the book page that explains `setting` (a flag such as
+/// `--max-in-flight`), under an error about it.
+fn see_page(setting: &str) {
+    if setting.starts_with("--") {
+        eprintln!(
+            "  see docs/src/{} (pgoutbox's book)",
+            pgoutbox::cli::docs::page_for_flag(setting)
+        );
+    }
+}
+
+/// `docs reference|man --out DIR`: writes the generated pages and lists them.
+fn docs(cmd: DocsCommand) -> ExitCode {
+    let (dir, written) = match &cmd {
+        DocsCommand::Reference(args) => {
+            (&args.out, pgoutbox::cli::docs::write_reference(&args.out))
+        }
+        DocsCommand::Man(args) => (&args.out, pgoutbox::cli::docs::write_man_pages(&args.out)),
+    };
+    match written {
+        Ok(files) => {
+            for f in files {
+                println!("wrote {}", f.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: cannot write into {}: {e}", dir.display());
+            ExitCode::FAILURE
         }
     }
 }
@@ -182,8 +221,21 @@ fn usage_error(e: clap::Error) -> ExitCode {
             == Some("json")
     };
     let is_output = matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion);
-    if !wants_json || is_output {
+    if is_output {
         e.exit();
+    }
+    // The flag the error is about, to name the page that explains it.
+    let flag = match e.get(clap::error::ContextKind::InvalidArg) {
+        Some(clap::error::ContextValue::String(arg)) => Some(arg.clone()),
+        Some(clap::error::ContextValue::Strings(args)) => args.first().cloned(),
+        _ => None,
+    };
+    if !wants_json {
+        let _ = e.print();
+        if let Some(flag) = &flag {
+            see_page(flag);
+        }
+        return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE));
     }
     init_tracing(LogFormat::Json);
     let text = e.render().to_string();
@@ -356,6 +408,7 @@ async fn try_main(job: Job) -> Result<u8, Error> {
         Command::Maintenance(args) => maintenance(args).await,
         Command::Journal(args) => journal(args).await,
         Command::Run(_) | Command::Check(_) => unreachable!("built into a Job by Job::of"),
+        Command::Completions(_) | Command::Docs(_) => unreachable!("handled before the runtime"),
     }
 }
 

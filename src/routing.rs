@@ -24,19 +24,20 @@
 
 use amq_protocol::types::ShortString;
 
+use crate::contract::dead_letter_reason;
 use crate::validation::ValidationError;
 
 /// Dead-letter reason: the named exchange is not in `--allowed-exchanges`.
-pub const REASON_NOT_ALLOWED: &str = "exchange_not_allowed";
+pub const REASON_NOT_ALLOWED: &str = dead_letter_reason::EXCHANGE_NOT_ALLOWED;
 /// Dead-letter reason: the named exchange does not exist (a passive declare under
 /// `--no-declare` answered 404 NOT_FOUND).
-pub const REASON_NOT_FOUND: &str = "exchange_not_found";
+pub const REASON_NOT_FOUND: &str = dead_letter_reason::EXCHANGE_NOT_FOUND;
 /// Dead-letter reason: RabbitMQ refused to declare the named exchange (406
 /// PRECONDITION_FAILED: it exists with another type or durability; 403 ACCESS_REFUSED: no
 /// configure permission, or a reserved `amq.` name).
-pub const REASON_REFUSED: &str = "exchange_refused";
+pub const REASON_REFUSED: &str = dead_letter_reason::EXCHANGE_REFUSED;
 /// Dead-letter reason for a name that is no exchange name (the existing `poison` reason).
-pub const REASON_POISON: &str = "poison";
+pub const REASON_POISON: &str = dead_letter_reason::POISON;
 
 /// The exchange a message is published to.
 ///

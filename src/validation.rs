@@ -18,6 +18,7 @@ pub const FLAGS_WITHOUT_ENV: &[&str] = &[
     "--limit",
     "--lockdown",
     "--older-than",
+    "--out",
     "--payload",
     "--unlock",
 ];

@@ -28,6 +28,7 @@ mod partitions;
 mod pg_tls;
 mod proxy_smoke;
 mod publisher_wire;
+mod reference;
 mod roles;
 mod routing;
 mod secrets;

@@ -602,7 +602,7 @@ pub struct WaitingMessage {
 /// The envelope part of a [`WaitingMessage`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WaitingEnvelope {
-    /// The envelope format version (1 to 3, docs/envelope.md).
+    /// The envelope format version (1 to 3, docs/src/reference/envelope.md).
     pub envelope_version: Option<u8>,
     /// The message id.
     pub message_id: Option<String>,

@@ -240,7 +240,7 @@ pub async fn setup(
             .get(0);
         if version < FAILOVER_SLOTS_SINCE {
             return Err(Error::Precondition(format!(
-                "--failover: this server is PostgreSQL {}.{} and cannot create failover slots (they need PostgreSQL 17 or newer); run setup without --failover and keep the slot across a failover another way, e.g. as a Patroni permanent slot (see deploy/postgres-ha.md)",
+                "--failover: this server is PostgreSQL {}.{} and cannot create failover slots (they need PostgreSQL 17 or newer); run setup without --failover and keep the slot across a failover another way, e.g. as a Patroni permanent slot (see docs/src/operators/postgres-failover.md)",
                 version / 10_000,
                 version % 10_000 / 100
             )));

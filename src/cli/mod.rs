@@ -5,7 +5,9 @@
 //! The edge of the program: nothing in the library imports this module. `run`'s options,
 //! grouped by concern, and the building of its validated settings are [`run`]; the
 //! generated reference of every setting (flag, variable, file key, default, doc) is
-//! [`reference`].
+//! [`reference`]; the book's Reference pages, the man pages and the completions written
+//! from this tree are [`docs`]; each command's examples are [`examples`], and the exit
+//! statuses [`exit_code`].
 
 use std::path::PathBuf;
 
@@ -17,6 +19,9 @@ use crate::config::{
 };
 use crate::secrets::{Secret, Sources, Target};
 
+pub mod docs;
+pub mod examples;
+pub mod exit_code;
 pub mod reference;
 pub mod run;
 
@@ -49,29 +54,73 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Install sql/outbox.sql, create the publication and the pgoutput slot (idempotent).
+    #[command(after_long_help = examples::SETUP)]
     Setup(SetupArgs),
     /// Stream outbox messages to RabbitMQ until SIGINT/SIGTERM.
+    #[command(after_long_help = examples::RUN)]
     Run(RunArgs),
     /// Check what `run` needs (settings, both servers, slot, publication, exchange)
     /// without changing anything; exits 1 if `run` would stop, with the fix.
+    #[command(after_long_help = examples::CHECK)]
     Check(RunArgs),
     /// Show the slot's health (lag, retained WAL, waiting messages, dead letters); exit 0
     /// healthy, 1 warning, 2 critical.
+    #[command(after_long_help = examples::STATUS)]
     Status(StatusArgs),
     /// List the outbox messages waiting in the slot without consuming them (only while no
     /// streamer holds it).
+    #[command(after_long_help = examples::PEEK)]
     Peek(PeekArgs),
     /// Drop the slot and the publication.
+    #[command(after_long_help = examples::TEARDOWN)]
     Teardown(TeardownArgs),
     /// Delete expired idempotency keys, journal rows and inbox records once (for cron);
     /// exit 0 when every step ran or was skipped, 1 when one failed, 2 for bad arguments.
+    #[command(after_long_help = examples::MAINTENANCE)]
     Maintenance(MaintenanceArgs),
     /// Print the delivery journal's entries for a message id (`run --journal`), oldest
     /// first; exit 0 when there is at least one, 1 when none.
+    #[command(after_long_help = examples::JOURNAL)]
     Journal(JournalArgs),
     /// Inspect, requeue or purge messages in outbox.dead_letter.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell).
+    #[command(after_long_help = examples::COMPLETIONS)]
+    Completions(CompletionsArgs),
+    /// Write the documentation generated from this binary: the book's reference pages or
+    /// the man pages.
+    #[command(subcommand)]
+    Docs(DocsCommand),
+}
+
+/// `completions` arguments.
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// `docs` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DocsCommand {
+    /// Write the book's generated reference pages (cli.md, environment.md, config-file.md,
+    /// metrics.md, exit-codes.md, dead-letter-reasons.md) into a directory.
+    #[command(after_long_help = examples::DOCS_REFERENCE)]
+    Reference(DocsOutArgs),
+    /// Write one man page per command (pgoutbox.1, pgoutbox-run.1, ...) into a directory.
+    #[command(after_long_help = examples::DOCS_MAN)]
+    Man(DocsOutArgs),
+}
+
+/// Where `docs reference` and `docs man` write.
+#[derive(Debug, Args)]
+pub struct DocsOutArgs {
+    /// The directory to write into (created if missing; files of the same name are
+    /// replaced).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 /// `maintenance` arguments.
@@ -139,10 +188,13 @@ fn parse_batch_size(text: &str) -> Result<u32, String> {
 #[derive(Debug, Subcommand)]
 pub enum DeadLetterCommand {
     /// List dead letters (not yet requeued, unless --all), oldest first.
+    #[command(after_long_help = examples::DEAD_LETTERS_LIST)]
     List(DeadLetterListArgs),
     /// Re-emit dead letters through the normal path, with their original message_id.
+    #[command(after_long_help = examples::DEAD_LETTERS_REQUEUE)]
     Requeue(DeadLetterSelectArgs),
     /// Delete dead letters.
+    #[command(after_long_help = examples::DEAD_LETTERS_PURGE)]
     Purge(DeadLetterPurgeArgs),
 }
 
@@ -495,6 +547,26 @@ mod tests {
         }
         let e = parse_whole_number::<u32>("4294967296").unwrap_err();
         assert!(e.contains("far too large"), "{e}");
+    }
+
+    #[test]
+    fn every_numeric_run_option_takes_digits_only() {
+        let numeric: Vec<String> = reference::run_settings()
+            .into_iter()
+            .filter(|s| s.value == reference::ValueForm::Number)
+            .map(|s| s.flag)
+            .collect();
+        assert!(
+            numeric.iter().any(|f| f == "--stall-after-s"),
+            "{numeric:?}"
+        );
+        for flag in &numeric {
+            let e = Cli::try_parse_from(["pgoutbox", "run", flag, "+5"]).unwrap_err();
+            assert!(
+                e.to_string().contains("not a whole number"),
+                "{flag} +5 must be refused by the digits-only parser: {e}"
+            );
+        }
     }
 
     #[test]

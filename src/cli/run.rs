@@ -243,12 +243,12 @@ pub struct ObservabilityArgs {
     pub http_addr: HttpAddr,
     /// Seconds without any settle, while messages are unconfirmed, after which the stream
     /// counts as stalled (/readyz 503 "stalled", a warning once a minute); 1 to 3600.
-    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs())]
+    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs(), value_parser = parse_whole_number::<u64>)]
     pub stall_after_s: u64,
     /// Record every confirmed message (message id, topic, LSNs, attempts, confirm time) in
     /// outbox.journal, one batched INSERT per status-update interval. An audit record: it
     /// never holds back acknowledgement, so a crash may lose its last interval, and rows
-    /// are dropped (counted in pgoutbox_journal_dropped_total) when its buffer is full or a
+    /// are dropped (counted in pgoutbox_journal_rows_dropped_total) when its buffer is full or a
     /// write fails.
     #[arg(long, env = "PGOUTBOX_JOURNAL")]
     pub journal: bool,

@@ -8,11 +8,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 use super::{
-    Turn, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL, MESSAGES_CONFIRMED_TOTAL,
-    MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL, MESSAGES_PUBLISHED_TOTAL,
-    MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
-    RETENTION_ROWS_DELETED_TOTAL, SESSIONS_STARTED_TOTAL,
+    Turn, JOURNAL_DROP_REASONS, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL,
+    MESSAGES_CONFIRMED_TOTAL, MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL,
+    MESSAGES_PUBLISHED_TOTAL, MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
+    RECONNECT_CAUSES, RETENTION_ROWS_DELETED_TOTAL, RETENTION_TABLES, SESSIONS_STARTED_TOTAL,
 };
+use crate::contract::dead_letter_reason;
 
 /// A counter with one label.
 type Labelled = Family<[(&'static str, &'static str); 1], Counter>;
@@ -39,10 +40,20 @@ pub struct Counters {
 }
 
 impl Counters {
-    /// Registers every counter in `registry` (with the label values that must show as 0
-    /// before their first event).
+    /// Registers every counter in `registry`, with every label value at 0 from the start
+    /// (a query sees the series before its first event, and the reference lists them).
     pub fn register(&self, registry: &mut Registry) {
         let total = |n| base_name(n, "_total");
+        let zero = |family: &Labelled, label, values: &[&'static str]| {
+            for value in values {
+                let _ = family.get_or_create(&[(label, *value)]);
+            }
+        };
+        let reasons: Vec<&'static str> = dead_letter_reason::ALL.iter().map(|(r, _)| *r).collect();
+        zero(&self.dead_lettered, "reason", &reasons);
+        zero(&self.reconnects, "cause", RECONNECT_CAUSES);
+        zero(&self.journal_dropped, "reason", JOURNAL_DROP_REASONS);
+        zero(&self.retention_deleted, "table", RETENTION_TABLES);
         registry.register(
             total(MESSAGES_PUBLISHED_TOTAL),
             "Publishes made (every attempt: first publishes, retries, re-sends after a reconnect)",
@@ -88,9 +99,6 @@ impl Counters {
             "Rows written to outbox.journal (run --journal)",
             self.journal_written.clone(),
         );
-        for reason in ["buffer_full", "write_failed"] {
-            let _ = self.journal_dropped.get_or_create(&[("reason", reason)]);
-        }
         registry.register(
             total(JOURNAL_ROWS_DROPPED_TOTAL),
             "Journal rows dropped (never written), by reason",
@@ -123,6 +131,10 @@ impl Counters {
 
     /// A session ended with a retryable failure of `cause`.
     pub fn reconnect(&self, cause: &'static str) {
+        debug_assert!(
+            RECONNECT_CAUSES.contains(&cause),
+            "{cause}: add it to RECONNECT_CAUSES"
+        );
         self.reconnects.get_or_create(&[("cause", cause)]).inc();
     }
 
@@ -133,6 +145,10 @@ impl Counters {
 
     /// `rows` journal rows were dropped for `reason`.
     pub fn journal_dropped(&self, reason: &'static str, rows: u64) {
+        debug_assert!(
+            JOURNAL_DROP_REASONS.contains(&reason),
+            "{reason}: add it to JOURNAL_DROP_REASONS"
+        );
         self.journal_dropped
             .get_or_create(&[("reason", reason)])
             .inc_by(rows);
@@ -140,6 +156,10 @@ impl Counters {
 
     /// The retention task deleted `rows` rows of `table`.
     pub fn retention_deleted(&self, table: &'static str, rows: u64) {
+        debug_assert!(
+            RETENTION_TABLES.contains(&table),
+            "{table}: add it to RETENTION_TABLES"
+        );
         self.retention_deleted
             .get_or_create(&[("table", table)])
             .inc_by(rows);
@@ -157,6 +177,10 @@ impl Counters {
 
     /// A message was dead-lettered for `reason`.
     pub fn dead_lettered(&self, reason: &'static str) {
+        debug_assert!(
+            dead_letter_reason::ALL.iter().any(|(r, _)| *r == reason),
+            "{reason}: add it to contract::dead_letter_reason::ALL"
+        );
         self.dead_lettered
             .get_or_create(&[("reason", reason)])
             .inc();

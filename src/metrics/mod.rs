@@ -34,6 +34,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
+pub mod catalog;
 pub mod counters;
 pub mod gauges;
 pub mod http;
@@ -72,8 +73,8 @@ pub const MESSAGES_NACKED_TOTAL: &str = "pgoutbox_messages_nacked_total";
 /// Counter: publishes returned as unroutable (312 NO_ROUTE).
 pub const MESSAGES_RETURNED_TOTAL: &str = "pgoutbox_messages_returned_total";
 
-/// Counter: messages written to `outbox.dead_letter`, label `reason` (`nacked`,
-/// `returned`, `poison`, `too_large`, `forged`).
+/// Counter: messages written to `outbox.dead_letter`, label `reason` (one of
+/// [`crate::contract::dead_letter_reason::ALL`]).
 pub const MESSAGES_DEAD_LETTERED_TOTAL: &str = "pgoutbox_messages_dead_lettered_total";
 
 /// Counter: publishes that were retries of a nacked or returned message.
@@ -143,6 +144,46 @@ pub const ROLE: &str = "pgoutbox_role";
 
 /// Info: `version` label with the crate version.
 pub const BUILD_INFO: &str = "pgoutbox_build_info";
+
+/// Every metric name above, in the order they are registered (the catalogue's test checks
+/// that each is served, and that nothing else is).
+pub const NAMES: &[&str] = &[
+    MESSAGES_PUBLISHED_TOTAL,
+    MESSAGES_CONFIRMED_TOTAL,
+    MESSAGES_NACKED_TOTAL,
+    MESSAGES_RETURNED_TOTAL,
+    MESSAGES_DEAD_LETTERED_TOTAL,
+    MESSAGES_RETRIED_TOTAL,
+    RECONNECTS_TOTAL,
+    SESSIONS_STARTED_TOTAL,
+    JOURNAL_ROWS_WRITTEN_TOTAL,
+    JOURNAL_ROWS_DROPPED_TOTAL,
+    RETENTION_ROWS_DELETED_TOTAL,
+    UNACKNOWLEDGED_MESSAGES,
+    UNACKNOWLEDGED_BYTES,
+    UNCONFIRMED_MESSAGES,
+    FLUSH_LSN_BYTES,
+    RECEIVED_LSN_BYTES,
+    SERVER_WAL_END_BYTES,
+    REPLICATION_LAG_BYTES,
+    OLDEST_UNCONFIRMED_AGE_SECONDS,
+    SINCE_STATUS_UPDATE_SECONDS,
+    STALLED,
+    BROKER_BLOCKED,
+    ROLE,
+    CONFIRM_LATENCY_SECONDS,
+    BUILD_INFO,
+];
+
+/// The values of [`RECONNECTS_TOTAL`]'s label `cause`, registered at 0 from the start.
+pub const RECONNECT_CAUSES: &[&str] = &["broker", "postgres", "slot_busy"];
+
+/// The values of [`JOURNAL_ROWS_DROPPED_TOTAL`]'s label `reason`.
+pub const JOURNAL_DROP_REASONS: &[&str] = &["buffer_full", "write_failed"];
+
+/// The values of [`RETENTION_ROWS_DELETED_TOTAL`]'s label `table` (the tables `run`'s
+/// retention task deletes from).
+pub const RETENTION_TABLES: &[&str] = &["idempotency", "journal"];
 
 /// What the event loop reports once per turn (process-wide totals and current values).
 #[derive(Debug, Clone, Copy, Default)]

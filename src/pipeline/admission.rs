@@ -24,6 +24,7 @@
 use bytes::Bytes;
 
 use super::transaction::TxnPlace;
+use crate::contract::dead_letter_reason;
 use crate::envelope::{self, Envelope, EnvelopeError};
 use crate::lockdown::{self, Lockdown, MarkerEffect};
 use crate::lsn::Lsn;
@@ -218,12 +219,12 @@ impl Admission {
     fn not_transactional(&self, lsn: Lsn, locked: bool) -> Rejection {
         if locked {
             Rejection {
-                reason: "forged",
+                reason: dead_letter_reason::FORGED,
                 error: self.forged_error(lsn, "a non-transactional message"),
             }
         } else {
             Rejection {
-                reason: "poison",
+                reason: dead_letter_reason::POISON,
                 error: format!(
                     "non-transactional logical message with prefix {} (emit never writes one)",
                     self.prefix
@@ -245,7 +246,7 @@ impl Admission {
             Err(e) => format!("no valid envelope ({e})"),
         };
         Err(Rejection {
-            reason: "forged",
+            reason: dead_letter_reason::FORGED,
             error: self.forged_error(lsn, &what),
         })
     }
@@ -256,7 +257,7 @@ impl Admission {
             return Ok(());
         }
         Err(Rejection {
-            reason: "too_large",
+            reason: dead_letter_reason::TOO_LARGE,
             error: format!(
                 "message of {} bytes (envelope) exceeds --max-message-bytes {}",
                 content.len(),
@@ -269,7 +270,7 @@ impl Admission {
     fn check_broker_limit(&self, env: &Envelope) -> Result<(), Rejection> {
         match &self.broker_limit {
             Some(limit) if env.payload.len() > limit.max_bytes => Err(Rejection {
-                reason: "too_large",
+                reason: dead_letter_reason::TOO_LARGE,
                 error: format!(
                     "payload of {} bytes is larger than the broker's max_message_size {} ({})",
                     env.payload.len(),
@@ -297,11 +298,11 @@ fn decode(content: &Bytes) -> Result<Envelope, Rejection> {
         // Written by a newer outbox.emit: never published, dead-lettered (and requeued
         // once a pgoutbox that reads it runs).
         Err(e @ EnvelopeError::UnsupportedVersion { .. }) => Err(Rejection {
-            reason: "unsupported_envelope",
+            reason: dead_letter_reason::UNSUPPORTED_ENVELOPE,
             error: e.to_string(),
         }),
         Err(reason) => Err(Rejection {
-            reason: "poison",
+            reason: dead_letter_reason::POISON,
             error: format!("undecodable outbox message (poison): {reason}"),
         }),
     }

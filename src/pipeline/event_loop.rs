@@ -33,6 +33,7 @@ use super::status::Status;
 use super::transaction::{OpenTxn, TxnPlace};
 use super::RunSummary;
 use crate::config::{ExchangeDeclare, RunConfig};
+use crate::contract::dead_letter_reason;
 use crate::envelope::Envelope;
 use crate::error::Error;
 use crate::lockdown::Lockdown;
@@ -488,7 +489,8 @@ impl Core {
             // It does not fit this sink (for AMQP: its content header exceeds one frame of
             // this broker): it never will.
             Err(SinkError::Unsendable(error)) => {
-                self.settling.dead_letter_in_flight(seq, "too_large", error)
+                self.settling
+                    .dead_letter_in_flight(seq, dead_letter_reason::TOO_LARGE, error)
             }
             Err(e) => Err(sink_failure(e)),
         }

@@ -33,6 +33,7 @@ use super::journal::JournalHandle;
 use super::transaction::TxnPlace;
 use super::RunSummary;
 use crate::config::{Failpoint, UnroutablePolicy};
+use crate::contract::dead_letter_reason;
 use crate::envelope;
 use crate::error::Error;
 use crate::lsn::Lsn;
@@ -258,7 +259,7 @@ impl Settling {
                 reply_text,
             } => self.exchange_refused(seq, &exchange, reply_code, &reply_text)?,
             PublishOutcome::Unsendable { error } => {
-                self.dead_letter_in_flight(seq, "too_large", error)?
+                self.dead_letter_in_flight(seq, dead_letter_reason::TOO_LARGE, error)?
             }
             PublishOutcome::Nacked => self.nacked(seq)?,
             PublishOutcome::Returned {
@@ -311,7 +312,7 @@ impl Settling {
         let error = format!("nacked by the broker (attempt {})", m.attempts);
         m.first_error.get_or_insert_with(|| error.clone());
         if m.attempts >= self.rules.max_attempts {
-            return self.dead_letter_in_flight(seq, "nacked", error);
+            return self.dead_letter_in_flight(seq, dead_letter_reason::NACKED, error);
         }
         let delay = (NACK_RETRY_MIN * 2u32.saturating_pow(m.attempts.saturating_sub(1)))
             .min(NACK_RETRY_MAX);
@@ -336,7 +337,9 @@ impl Settling {
         let error = format!("returned by the broker ({reply_code} {reply_text}): no queue is bound to exchange {exchange:?} for routing key {topic:?}");
         m.first_error.get_or_insert_with(|| error.clone());
         match self.rules.on_unroutable {
-            UnroutablePolicy::DeadLetter => self.dead_letter_in_flight(seq, "returned", error),
+            UnroutablePolicy::DeadLetter => {
+                self.dead_letter_in_flight(seq, dead_letter_reason::RETURNED, error)
+            }
             UnroutablePolicy::Block => {
                 let delay =
                     (NACK_RETRY_MIN * 2u32.saturating_pow(m.attempts.min(16))).min(BLOCK_RETRY_MAX);

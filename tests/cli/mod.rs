@@ -1,6 +1,6 @@
 //! The command line as an operator meets it, against real servers: what bad input does
 //! (exit 2 with the flag, the value and the accepted form, never a panic), what the
-//! README promises of `setup`, `teardown`, the environment variables, the producer
+//! book promises of `setup`, `teardown`, the environment variables, the producer
 //! functions' SQLSTATEs and default ids, and the `dead-letters` subcommands.
 //!
 //! `PGOUTBOX_TEST_BIN` runs these tests against another `pgoutbox` binary (an old build,
@@ -178,7 +178,7 @@ async fn usage_errors_exit_2_and_other_errors_exit_1() {
         err.contains("does not exist; run `pgoutbox setup --slot no_such_slot`"),
         "{err}"
     );
-    // `status` exits by health instead: a missing slot is critical, 2 (README, "Exit status").
+    // `status` exits by health instead: a missing slot is critical, 2 (docs/src/reference/exit-codes.md).
     let out = pgoutbox(&["status", "--database-url", &url, "--slot", "no_such_slot"]);
     let (code, err) = outcome(&out);
     assert_eq!(code, Some(2), "{err}");

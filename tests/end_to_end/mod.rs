@@ -144,8 +144,8 @@ async fn ten_thousand_messages_arrive_once_in_commit_order_byte_exact() {
     );
 }
 
-/// Producer headers keep their JSON types on the wire (docs/envelope.md, README "What consumers
-/// receive"): strings, integers, doubles, booleans, void, nested values as JSON text.
+/// Producer headers keep their JSON types on the wire (docs/src/reference/envelope.md,
+/// docs/src/consumers/message.md): strings, integers, doubles, booleans, void, nested values as JSON text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producer_headers_keep_their_types() {
     let pg = Postgres::shared();

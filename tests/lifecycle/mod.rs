@@ -1,4 +1,4 @@
-//! What the README promises about stopping and losing peers: the bounded SIGTERM drain and
+//! What the book promises about stopping and losing peers: the bounded SIGTERM drain and
 //! its non-zero exit, SIGINT handled like SIGTERM, the confirm collection after Postgres goes
 //! away, and logs that never carry payloads or passwords.
 
@@ -20,7 +20,7 @@ async fn wait_in_flight(streamer: &Streamer, commits_before: usize, n: usize) {
     );
 }
 
-/// README, "The CLI": `run` waits at most `--shutdown-timeout-s` for outstanding confirms
+/// docs/src/operators/deploy.md: `run` waits at most `--shutdown-timeout-s` for outstanding confirms
 /// and exits non-zero when the drain timed out, having acknowledged nothing unconfirmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
@@ -78,7 +78,7 @@ async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
     );
 }
 
-/// README, "The CLI": `run` streams until SIGINT/SIGTERM; with nothing in flight SIGINT is a
+/// docs/src/reference/cli.md: `run` streams until SIGINT/SIGTERM; with nothing in flight SIGINT is a
 /// clean shutdown (final status update, exit 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigint_with_nothing_in_flight_exits_zero() {
@@ -105,7 +105,7 @@ async fn sigint_with_nothing_in_flight_exits_zero() {
     assert!(log.contains("stopped"), "{log}");
 }
 
-/// README, "Delivery guarantee", Faults: "Unconfirmed messages are sent again; confirmed
+/// docs/src/consumers/guarantee.md: "Unconfirmed messages are sent again; confirmed
 /// ones are not (when Postgres went away, outstanding confirms are collected for up to 5 s
 /// first)". Messages published to a blocked broker are in flight when the replication
 /// connection is cut; the broker is unblocked within the 5 s: their confirms are collected
@@ -190,7 +190,7 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
     );
 }
 
-/// README, "Operating it": payloads and passwords are never logged, at the most verbose
+/// docs/src/operators/secrets.md: payloads and passwords are never logged, at the most verbose
 /// level of every crate (`RUST_LOG=trace`), over a cleartext-password Postgres role and a
 /// PLAIN RabbitMQ user, on the publish path and the dead-letter path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,7 +202,7 @@ async fn payloads_and_passwords_never_reach_the_log() {
     );
 }
 
-/// README, "Operating it", `--log-format json`: every line the process writes to stderr is
+/// docs/src/operators/configuration.md, `--log-format json`: every line the process writes to stderr is
 /// one JSON object with `level`, `target` and `message`, on the same run as above (trace
 /// level, passwords in both URLs, a published and two dead-lettered payloads), and no line
 /// carries a payload or a password. The exit report of a refused login is one object too.
