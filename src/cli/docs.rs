@@ -110,6 +110,8 @@ pub fn page_for_flag(flag: &str) -> &'static str {
         ("--exchange", "producers/routing.md"),
         ("--allowed-exchanges", "producers/routing.md"),
         ("--no-declare", "producers/routing.md"),
+        ("--partitions", "consumers/scaling.md"),
+        ("--partition-key", "consumers/scaling.md"),
         ("--config", "operators/configuration.md"),
         ("--accept-gap", "operators/gaps.md"),
         ("--slot-busy-timeout-s", "operators/standby-replicas.md"),
