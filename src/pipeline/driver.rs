@@ -318,6 +318,7 @@ impl Sessions<'_> {
         if let Some(limit) = core.broker_limit() {
             memory.broker_limit = Some(limit);
         }
+        memory.refusals = core.refusals();
         self.close(core, sink, summary).await;
         if result.is_ok() {
             log_stopped(summary);
@@ -341,6 +342,7 @@ impl Sessions<'_> {
             c.interval,
             c.gate,
             memory.broker_limit.clone(),
+            memory.refusals.clone(),
             std::mem::take(summary),
             Arc::clone(self.telemetry),
             c.lockdown,
