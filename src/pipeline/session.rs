@@ -54,6 +54,9 @@ pub(super) struct SessionMemory {
     pub refusals: Refusals,
     /// Messages not settled when the last session ended.
     pub unsettled_at_end: u64,
+    /// When the last session started streaming (both sides connected); `None` when it
+    /// failed before. Decides whether the reconnect backoff starts over.
+    pub streaming_since: Option<tokio::time::Instant>,
     /// The broker's nodes and which one the next session tries first.
     pub nodes: BrokerNodes,
     /// The LSN of the last frame that failed to decode, and how many sessions in a row

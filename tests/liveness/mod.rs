@@ -230,3 +230,77 @@ async fn a_standby_keeps_its_broker_connection_through_a_long_wait() {
         .await
         .is_some());
 }
+
+/// The last `retry_in_ms=N` of a streamer's log.
+fn last_retry_ms(log: &str) -> Option<u64> {
+    log.lines()
+        .filter(|l| l.contains("session failed; reconnecting"))
+        .filter_map(|l| l.split("retry_in_ms=").nth(1))
+        .filter_map(|v| v.split_whitespace().next())
+        .filter_map(|v| v.parse().ok())
+        .last()
+}
+
+/// Issue 21, item 14: the reconnect backoff does not carry over from one outage to the
+/// next. A broker outage grows it (failed connects); a session that then streamed for a
+/// while and fails starts again from the minimum (0.5 s to 1 s with jitter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backoff_starts_over_after_a_session_that_streamed() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "live_backoff").await;
+    let streamer = ob.run(&[]);
+    assert!(
+        streamer
+            .wait_for_log(": streaming ", scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    // Outage 1: the broker is down for several failed connects.
+    rmq.stop_app();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(60)), || {
+            let grown = last_retry_ms(&streamer.log()).is_some_and(|ms| ms >= 4000);
+            async move { grown }
+        })
+        .await,
+        "the backoff grows while the broker is down\n{}",
+        streamer.log()
+    );
+    rmq.start_app();
+    ob.sql("SELECT outbox.emit('t.back', '{}', message_id => 'back')");
+    let got = ob.drain(1, scaled(Duration::from_secs(60))).await;
+    assert_eq!(got.len(), 1, "{}", streamer.log());
+    let failures = streamer.log_count("session failed; reconnecting");
+    // The premise: the new session streams for longer than the 5 s that count as streamed.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(
+        streamer.log_count("session failed; reconnecting"),
+        failures,
+        "the session after the outage kept streaming\n{}",
+        streamer.log()
+    );
+    // Outage 2.
+    rmq.close_all_connections();
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(30)), || {
+            let n = streamer.log_count("session failed; reconnecting");
+            async move { n > failures }
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    let retry = last_retry_ms(&streamer.log()).expect("a retry");
+    assert!(
+        retry <= 1000,
+        "the backoff carried over from the first outage: retry_in_ms={retry}\n{}",
+        streamer.log()
+    );
+    streamer.sigterm();
+    assert!(streamer
+        .wait_exit(scaled(Duration::from_secs(30)))
+        .await
+        .is_some());
+}
