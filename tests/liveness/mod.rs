@@ -234,11 +234,11 @@ async fn a_standby_keeps_its_broker_connection_through_a_long_wait() {
 /// The last `retry_in_ms=N` of a streamer's log.
 fn last_retry_ms(log: &str) -> Option<u64> {
     log.lines()
+        .rev()
         .filter(|l| l.contains("session failed; reconnecting"))
         .filter_map(|l| l.split("retry_in_ms=").nth(1))
         .filter_map(|v| v.split_whitespace().next())
-        .filter_map(|v| v.parse().ok())
-        .last()
+        .find_map(|v| v.parse().ok())
 }
 
 /// Issue 21, item 14: the reconnect backoff does not carry over from one outage to the
