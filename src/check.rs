@@ -7,6 +7,7 @@
 //! handshake up to `connection.start` for its product and version, then the publisher's
 //! connect step with a passive `exchange.declare` (nothing is created).
 
+use std::io::Write as _;
 use std::time::Duration;
 
 use amq_protocol::frame::{parse_frame, AMQPFrame};
@@ -508,11 +509,18 @@ pub fn print(findings: &[Finding]) -> usize {
             Severity::Warning => "WARNING",
             Severity::Problem => "PROBLEM",
         };
-        println!("{tag} {:<23} {}", format!("{}:", f.subject), f.text);
+        // Written, not `println!`: a closed stdout (`check | head -1`) must not panic.
+        let _ = writeln!(
+            std::io::stdout(),
+            "{tag} {:<23} {}",
+            format!("{}:", f.subject),
+            f.text
+        );
     }
     let count = |s| findings.iter().filter(|f| f.severity == s).count();
     let (problems, warnings) = (count(Severity::Problem), count(Severity::Warning));
-    println!(
+    let _ = writeln!(
+        std::io::stdout(),
         "check: {problems} problem(s), {warnings} warning(s){}",
         if problems > 0 {
             ": `run` would stop; fix the problems above"

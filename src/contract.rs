@@ -84,8 +84,13 @@ pub mod dead_letter_reason {
     /// The exchange the producer named does not exist (404 to a passive declare under
     /// `--no-declare`).
     pub const EXCHANGE_NOT_FOUND: &str = "exchange_not_found";
-    /// RabbitMQ refused to declare the exchange the producer named (406 or 403).
+    /// RabbitMQ refused to declare the exchange the producer named (406 or 403), or
+    /// closed the channel over a publish to it (403: the user may not write it).
     pub const EXCHANGE_REFUSED: &str = "exchange_refused";
+    /// RabbitMQ closed the channel over this one publish (to the configured exchange, or for
+    /// no exchange it named): found when it was the only unconfirmed publish, or by
+    /// publishing one at a time after such a close.
+    pub const PUBLISH_REFUSED: &str = "publish_refused";
 
     /// Every reason, with one line on what happened, in the order the reference lists them.
     pub const ALL: &[(&str, &str)] = &[
@@ -97,7 +102,8 @@ pub mod dead_letter_reason {
         (UNSUPPORTED_ENVELOPE, "the envelope's version is newer than this pgoutbox reads (the SQL helpers were upgraded before the binary)"),
         (EXCHANGE_NOT_ALLOWED, "the producer named an exchange that is neither in `--allowed-exchanges` nor `--exchange`"),
         (EXCHANGE_NOT_FOUND, "the exchange the producer named does not exist (404 to the passive declare of `--no-declare`)"),
-        (EXCHANGE_REFUSED, "RabbitMQ refused to declare the exchange the producer named (406 PRECONDITION_FAILED or 403 ACCESS_REFUSED)"),
+        (EXCHANGE_REFUSED, "RabbitMQ refused to declare the exchange the producer named (406 PRECONDITION_FAILED or 403 ACCESS_REFUSED), or closed the channel over a publish to it (403 ACCESS_REFUSED: the streamer's user may not write it); later messages to it are dead-lettered without publishing"),
+        (PUBLISH_REFUSED, "RabbitMQ closed the channel over this one publish, for a reason that names no exchange of the producer's (found when it was the only unconfirmed publish, or by publishing one at a time after such a close)"),
     ];
 }
 

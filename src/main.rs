@@ -2,6 +2,23 @@
 
 use std::process::ExitCode;
 
+// Output that never panics. `std`'s `println!` panics when stdout is a closed pipe
+// (`pgoutbox maintenance | head -1` exited 101); these write and drop the error, so output
+// to a reader that has gone ends quietly while the command finishes its work and exits
+// with its own status. Defined before any use: they shadow `std`'s macros in this file.
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+macro_rules! eprintln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 use pgoutbox::admin::Force;
 use pgoutbox::cli::exit_code::{STATUS_UNKNOWN as EXIT_STATUS_UNKNOWN, USAGE as EXIT_USAGE};
 use pgoutbox::cli::{Command, DeadLetterCommand, DocsCommand, LogFormat};

@@ -20,6 +20,7 @@ mod inbox;
 mod journal;
 mod layers;
 mod lifecycle;
+mod liveness;
 mod lockdown;
 mod observability;
 mod operations;

@@ -198,6 +198,13 @@ pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<()
                 rule: "expected amqp://user:password@host:port/vhost".into(),
             });
         }
+        if crate::redaction::at_after_authority(url) {
+            return Err(ValidationError {
+                setting: "--amqp-url",
+                value: format!("{}{which}", redact_url(url)),
+                rule: "an '@' after the host (in the vhost or the query): a second URL glued on by a typo? Each URL of a list starts with amqp:// or amqps://; write a literal '@' in a vhost as %40".into(),
+            });
+        }
         if let Err(rule) = url_check(url) {
             return Err(ValidationError {
                 setting: "--amqp-url",

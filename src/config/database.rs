@@ -313,6 +313,11 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
         value: redact_url(url),
         rule,
     };
+    if crate::redaction::at_after_authority(url) {
+        return Err(invalid(
+            "an '@' after the host (in the database name or the query): a typo in the URL? Expected postgres://user:password@host:port/dbname; write a literal '@' there as %40".into(),
+        ));
+    }
     let (rest, tls) = split_tls_parameters(url).map_err(invalid)?;
     tls.validate().map_err(invalid)?;
     let mut config: tokio_postgres::Config = rest.parse().map_err(|e| invalid(format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname")))?;

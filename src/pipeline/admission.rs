@@ -13,7 +13,11 @@
 //! 5. **routing**: the exchange the producer named ([`Router`]): see
 //!    [`crate::routing`] for its reasons;
 //! 6. **broker limit**: a payload over the broker's `max_message_size` (configured, or
-//!    learned from a channel close) is `too_large`.
+//!    learned from a channel close) is `too_large`;
+//! 7. **broker refusals** (learned from closes of the publishing channel, see
+//!    [`super::refusal`]): a message to a producer-named exchange RabbitMQ refused
+//!    publishes to is `exchange_refused`; the message that closed the channel on its own
+//!    is `publish_refused`.
 //!
 //! A message that passes is published with the routing decision and whether its emitter
 //! was checked. Also here: the lockdown markers ([`crate::lockdown`]), which change what
@@ -23,6 +27,7 @@
 
 use bytes::Bytes;
 
+use super::refusal::{Refusals, REASON_PUBLISH_REFUSED};
 use super::transaction::TxnPlace;
 use crate::contract::dead_letter_reason;
 use crate::envelope::{self, Envelope, EnvelopeError};
@@ -30,7 +35,7 @@ use crate::lockdown::{self, Lockdown, MarkerEffect};
 use crate::lsn::Lsn;
 use crate::outbox_schema::MessagePrefix;
 use crate::pgoutput::Message;
-use crate::routing::{Exchange, Refusal, Router};
+use crate::routing::{Exchange, Refusal, Router, REASON_REFUSED};
 
 /// The broker's message body size limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +113,8 @@ pub(super) struct Admission {
     router: Router,
     /// The broker's size limit, when known (perhaps learned in this session).
     broker_limit: Option<BrokerLimit>,
+    /// What closes of the publishing channel taught (check 7).
+    refusals: Refusals,
 }
 
 impl Admission {
@@ -120,6 +127,7 @@ impl Admission {
         max_message_bytes: usize,
         router: Router,
         broker_limit: Option<BrokerLimit>,
+        refusals: Refusals,
     ) -> Self {
         Admission {
             lockdown,
@@ -128,6 +136,7 @@ impl Admission {
             max_message_bytes,
             router,
             broker_limit,
+            refusals,
         }
     }
 
@@ -169,6 +178,16 @@ impl Admission {
         self.broker_limit = Some(limit);
     }
 
+    /// What closes of the publishing channel taught, to learn more.
+    pub fn refusals_mut(&mut self) -> &mut Refusals {
+        &mut self.refusals
+    }
+
+    /// What closes of the publishing channel taught.
+    pub fn refusals(&self) -> &Refusals {
+        &self.refusals
+    }
+
     /// The exchange for `env` ([`Router::route`]).
     ///
     /// # Errors
@@ -205,6 +224,7 @@ impl Admission {
         };
         let exchange = self.route(&envelope)?;
         self.check_broker_limit(&envelope)?;
+        self.check_refusals(lsn, &exchange)?;
         // A requeued message whose emitter was not checked when first streamed keeps that
         // verdict (`dead-letters requeue` marks it): never sent as checked.
         let emitter_checked = locked && !envelope.emitted_by_unchecked;
@@ -282,6 +302,30 @@ impl Admission {
         }
     }
 
+    /// Check 7: neither a refused exchange nor the message that closed the channel.
+    fn check_refusals(&self, lsn: Lsn, exchange: &Exchange) -> Result<(), Rejection> {
+        if let Exchange::Named(name) = exchange {
+            if let Some(close) = self.refusals.refused_exchange(name.as_str()) {
+                return Err(Rejection {
+                    reason: REASON_REFUSED,
+                    error: format!(
+                        "exchange_refused: RabbitMQ refused to publish to exchange {:?} named by the message and closed the channel: {close}; grant the user write permission on it (an internal exchange takes no publishes: name another), then requeue the dead letter",
+                        name.as_str()
+                    ),
+                });
+            }
+        }
+        match self.refusals.culprit(lsn) {
+            Some(close) => Err(Rejection {
+                reason: REASON_PUBLISH_REFUSED,
+                error: format!(
+                    "publish_refused: RabbitMQ closed the publishing channel over this message (it was the only one unconfirmed): {close}; fix what the broker names, then requeue the dead letter"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The dead letter's error for a `forged` message at `lsn` that is `what`.
     fn forged_error(&self, lsn: Lsn, what: &str) -> String {
         format!(
@@ -321,6 +365,7 @@ mod tests {
             max_message_bytes,
             Router::new("orders".into(), AllowedExchanges::Any),
             None,
+            Refusals::default(),
         )
     }
 

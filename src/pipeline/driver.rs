@@ -32,6 +32,11 @@ pub use super::session::DECODE_FAILURE_LIMIT;
 
 /// Healthy-session length after which the reconnect backoff starts again from its minimum.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+/// How long a session must have streamed (both sides connected, the slot held) for the
+/// backoff to start again from its minimum after it fails: the next outage is a new one
+/// (a Postgres restart after a broker outage waits [`RECONNECT_MIN`], not what the broker
+/// outage had grown to), while a session that fails as soon as it streams keeps backing off.
+const STREAMED_SESSION: Duration = Duration::from_secs(5);
 /// Bounds of the delay between two sessions; jitter stays inside the cap.
 pub const RECONNECT_MIN: Duration = Duration::from_millis(500);
 /// See [`RECONNECT_MIN`]: the longest wait between two sessions.
@@ -147,6 +152,9 @@ fn first_memory(config: &RunConfig) -> SessionMemory {
 /// Streams until `shutdown` turns true (then drains) or a definite error, reconnecting with
 /// capped exponential backoff and jitter ([`RECONNECT_MIN`] to [`RECONNECT_MAX`]) after every
 /// retryable failure (broker or Postgres connection lost, channel closed, server restart).
+/// The backoff starts again from [`RECONNECT_MIN`] after a session that streamed for
+/// [`STREAMED_SESSION`] (or lasted [`HEALTHY_SESSION`]), so one outage's backoff does not
+/// carry over to the next.
 ///
 /// Each session starts from the slot (and from the last LSN this process knows to be
 /// settled, when that is further), so a reconnect re-sends at most what was not confirmed.
@@ -237,6 +245,7 @@ impl Sessions<'_> {
         let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
         loop {
             let began = Instant::now();
+            memory.streaming_since = None;
             let result = self.session(shutdown.clone(), memory, &mut summary).await;
             self.telemetry.set_phase(Phase::Connecting);
             if result.is_err() {
@@ -252,7 +261,10 @@ impl Sessions<'_> {
             if *shutdown.borrow() {
                 return interrupted_shutdown(memory, error, summary);
             }
-            if began.elapsed() > HEALTHY_SESSION {
+            let streamed = memory
+                .streaming_since
+                .is_some_and(|since| since.elapsed() >= STREAMED_SESSION);
+            if streamed || began.elapsed() > HEALTHY_SESSION {
                 delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
             }
             let delay = delays.next().unwrap_or(RECONNECT_MAX);
@@ -293,6 +305,7 @@ impl Sessions<'_> {
             c = beating(self.telemetry, connecting) => c?,
         };
         self.telemetry.session_started();
+        memory.streaming_since = Some(Instant::now());
         note_role(
             self.telemetry,
             &self.config.postgres.slot,
@@ -318,6 +331,7 @@ impl Sessions<'_> {
         if let Some(limit) = core.broker_limit() {
             memory.broker_limit = Some(limit);
         }
+        memory.refusals = core.refusals();
         self.close(core, sink, summary).await;
         if result.is_ok() {
             log_stopped(summary);
@@ -341,6 +355,7 @@ impl Sessions<'_> {
             c.interval,
             c.gate,
             memory.broker_limit.clone(),
+            memory.refusals.clone(),
             std::mem::take(summary),
             Arc::clone(self.telemetry),
             c.lockdown,

@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use super::admission::{Admission, Admitted, BrokerLimit};
 use super::dead_letter::DeadLetterWriter;
 use super::journal::JournalHandle;
+use super::refusal::{Lesson, Refusals};
 use super::settling::{Applied, Settling, SettlingRules};
 use super::status::Status;
 use super::transaction::{OpenTxn, TxnPlace};
@@ -123,6 +124,7 @@ impl Core {
         interval: Duration,
         gate: FlushGate,
         broker_limit: Option<BrokerLimit>,
+        refusals: Refusals,
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
@@ -148,6 +150,7 @@ impl Core {
             config.bounds.max_message_bytes,
             router,
             broker_limit,
+            refusals,
         );
         let settling = Settling::new(
             start,
@@ -212,6 +215,11 @@ impl Core {
         self.admission.broker_limit().cloned()
     }
 
+    /// What closes of the publishing channel taught (perhaps in this session).
+    pub fn refusals(&self) -> Refusals {
+        self.admission.refusals().clone()
+    }
+
     /// The stream, the writer and the summary (with the last flush LSN reported).
     pub fn into_parts(self) -> (ReplicationStream, DeadLetterWriter, RunSummary) {
         let mut summary = self.summary;
@@ -220,9 +228,14 @@ impl Core {
     }
 
     /// Room in the window: what is not yet acknowledged stays under `--max-in-flight`
-    /// messages and `--max-in-flight-bytes` payload bytes.
+    /// messages and `--max-in-flight-bytes` payload bytes; while a channel close is being
+    /// isolated ([`super::refusal`]), one message is in flight at a time.
     fn has_room(&self) -> bool {
-        let backlog = self.settling.wm().backlog();
+        let wm = self.settling.wm();
+        if wm.unconfirmed() > 0 && self.admission.refusals().isolating(wm.flushed()) {
+            return false;
+        }
+        let backlog = wm.backlog();
         backlog.messages < self.config.bounds.max_in_flight as u64
             && backlog.bytes < self.config.bounds.max_in_flight_bytes as u64
     }
@@ -512,13 +525,20 @@ impl Core {
         sink: &mut dyn Sink,
     ) -> Result<(), Error> {
         let now_us = unix_now_us();
+        // The messages a failed connection left unsettled (their LSNs), to find the one
+        // that made the broker close the channel.
+        let unsettled: Vec<Lsn> = batch
+            .iter()
+            .filter(|(_, o)| matches!(o, PublishOutcome::Failed { .. }))
+            .filter_map(|(seq, _)| self.settling.record_mut(*seq).map(|m| m.lsn))
+            .collect();
         for (seq, outcome) in batch {
             match self
                 .settling
                 .apply(seq, outcome, now_us, &mut self.summary)?
             {
                 Applied::Done => self.expedite_if_idle(),
-                Applied::Failed(error) => return self.on_sink_failed(error).await,
+                Applied::Failed(error) => return self.on_sink_failed(error, &unsettled).await,
             }
         }
         // Retries scheduled with no delay go out now.
@@ -527,14 +547,39 @@ impl Core {
 
     /// The sink's connection failed: record what is settled and reconnect. When the broker
     /// closed the channel over a message's size, remember its limit: the next session
-    /// dead-letters what exceeds it instead of looping.
-    async fn on_sink_failed(&mut self, error: String) -> Result<(), Error> {
+    /// dead-letters what exceeds it instead of looping; over anything else, learn which
+    /// message caused it from the publishes left `unsettled` ([`super::refusal`]).
+    async fn on_sink_failed(&mut self, error: String, unsettled: &[Lsn]) -> Result<(), Error> {
         if let Some(limit) = BrokerLimit::from_close(&error) {
             tracing::warn!(max_message_bytes = limit.max_bytes, error = %error, "RabbitMQ refused a message for its size and closed the channel; messages over its max_message_size will be dead-lettered as too_large");
             self.admission.learn_broker_limit(limit);
+        } else {
+            self.learn_refusal(&error, unsettled);
         }
         let _ = self.send_status(StatusUpdateKind::Periodic).await;
         Err(Error::BrokerLost(error))
+    }
+
+    /// A close of the publishing channel over something other than size: what it teaches
+    /// the next session, logged.
+    fn learn_refusal(&mut self, error: &str, unsettled: &[Lsn]) {
+        let configured = self.config.broker.exchange.clone();
+        match self
+            .admission
+            .refusals_mut()
+            .learn(error, &configured, unsettled)
+        {
+            Some(Lesson::Exchange(exchange)) => {
+                tracing::warn!(exchange = %exchange, error = %error, "RabbitMQ refused a publish to a producer-named exchange and closed the channel; messages to it will be dead-lettered as exchange_refused")
+            }
+            Some(Lesson::Culprit(lsn)) => {
+                tracing::warn!(lsn = %lsn, error = %error, "RabbitMQ closed the channel over the one unconfirmed message; it will be dead-lettered as publish_refused")
+            }
+            Some(Lesson::Isolate(until)) => {
+                tracing::warn!(until_lsn = %until, unconfirmed = unsettled.len(), error = %error, "RabbitMQ closed the channel over one of the unconfirmed messages; publishing them one at a time to find it")
+            }
+            None => {}
+        }
     }
 
     /// After a settle: a watermark turned idle behind the newest WAL seen asks for a

@@ -32,6 +32,8 @@
 //! - `transaction`: the open transaction, and each outbox message's index in it;
 //! - `admission`: whether a message is published or dead-lettered unpublished (the six
 //!   checks, in order), and the lockdown markers;
+//! - `refusal`: which message made the broker close the publishing channel (an exchange
+//!   it may not write, the one unconfirmed publish, or one at a time until found);
 //! - `settling`: the watermark and the in-flight table: **every change of a message's
 //!   state** after it was read (routed, nacked, returned, dead-lettered) happens there;
 //! - `in_flight`: the in-flight records and their retry schedule;
@@ -53,6 +55,7 @@ mod event_loop;
 mod feedback;
 mod in_flight;
 mod journal;
+mod refusal;
 mod retention;
 mod session;
 mod settling;

@@ -9,13 +9,15 @@
 //!
 //! What one session hands to the next ([`SessionMemory`]): the LSN it knows to be settled
 //! (so a reconnect re-sends at most what was not confirmed), the broker's message size
-//! limit once RabbitMQ revealed it by closing the channel, the broker node to try first,
+//! limit once RabbitMQ revealed it by closing the channel, what other closes of the
+//! publishing channel taught ([`super::refusal`]), the broker node to try first,
 //! and how often the same WAL position failed to decode.
 
 use std::time::Duration;
 
 use super::admission::BrokerLimit;
 use super::dead_letter::DeadLetterWriter;
+use super::refusal::Refusals;
 use super::sinks::{BrokerNodes, ConnectedSink, SinkChoice};
 use super::standby::Standby;
 use crate::admin;
@@ -48,8 +50,13 @@ pub(super) struct SessionMemory {
     /// from a channel close (406 PRECONDITION_FAILED, "message size N is larger than
     /// configured max size M"), with the broker's text.
     pub broker_limit: Option<BrokerLimit>,
+    /// What closes of the publishing channel taught ([`super::refusal`]).
+    pub refusals: Refusals,
     /// Messages not settled when the last session ended.
     pub unsettled_at_end: u64,
+    /// When the last session started streaming (both sides connected); `None` when it
+    /// failed before. Decides whether the reconnect backoff starts over.
+    pub streaming_since: Option<tokio::time::Instant>,
     /// The broker's nodes and which one the next session tries first.
     pub nodes: BrokerNodes,
     /// The LSN of the last frame that failed to decode, and how many sessions in a row
@@ -137,8 +144,17 @@ pub(super) async fn connect(
     warn_if_synchronous_standby(&sql, &application_name).await;
     let lockdown = read_lockdown(&sql, config).await?;
     let dead_letters = DeadLetterWriter::connect(pg, &config.postgres.schema).await?;
-    let ConnectedSink { sink, node } = sinks.connect(&memory.nodes).await?;
-    let started = start_stream(config, pg, &sql, &application_name, memory, telemetry).await?;
+    let ConnectedSink { mut sink, node } = sinks.connect(&memory.nodes).await?;
+    let started = start_stream(
+        config,
+        pg,
+        &sql,
+        &application_name,
+        memory,
+        telemetry,
+        &mut *sink,
+    )
+    .await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.postgres.slot).await?;
     let start = slot_lsn.max(started.hint);
@@ -315,7 +331,9 @@ fn status_interval(wal_sender_timeout: Option<Duration>) -> Duration {
 /// the slot's confirmed_flush_lsn when that is further). While another process holds the
 /// slot this process is a standby ([`super::standby`]): it polls the holder every
 /// `--standby-poll-ms` and tries again as soon as the slot is free, for `slot_busy_timeout`
-/// (forever when `None`). The caller races this against shutdown.
+/// (forever when `None`), polling the connected `sink` meanwhile, so its heartbeats go on
+/// (RabbitMQ drops a connection silent for two heartbeats). The caller races this against
+/// shutdown.
 async fn start_stream(
     config: &RunConfig,
     pg: &crate::config::DatabaseConfig,
@@ -323,6 +341,7 @@ async fn start_stream(
     application_name: &str,
     memory: &SessionMemory,
     telemetry: &Telemetry,
+    sink: &mut dyn Sink,
 ) -> Result<Started, Error> {
     let mut standby = Standby::new(
         config.postgres.standby_poll,
@@ -368,7 +387,12 @@ async fn start_stream(
                 });
             }
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {
-                standby.wait(sql, &config.postgres.slot, telemetry).await?;
+                // Cancel safety: the standby's wait keeps nothing that a drop would lose
+                // (its next round polls again); recv_settled is cancel safe.
+                tokio::select! {
+                    waited = standby.wait(sql, &config.postgres.slot, telemetry) => waited?,
+                    lost = crate::sink::recv_settled(&mut *sink) => return Err(standby_sink_lost(lost)),
+                }
             }
             // PostgreSQL 15: "can no longer get changes from replication slot" once
             // max_slot_wal_keep_size invalidated it.
@@ -384,6 +408,22 @@ async fn start_stream(
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// The sink failed (or, with nothing published, settled something) while this process
+/// stood by: the session ends and reconnects.
+fn standby_sink_lost(
+    polled: Result<Vec<(crate::sink::Seq, crate::sink::PublishOutcome)>, crate::sink::SinkError>,
+) -> Error {
+    match polled {
+        Err(crate::sink::SinkError::Lost(reason)) => Error::BrokerLost(format!(
+            "the broker connection was lost while standing by: {reason}"
+        )),
+        Err(e) => Error::Sink(e),
+        Ok(_) => Error::BrokerLost(
+            "the sink settled a publish while standing by, with nothing published".into(),
+        ),
     }
 }
 

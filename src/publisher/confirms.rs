@@ -123,7 +123,8 @@ impl<T> Confirms<T> {
     /// A `basic.return`: marks the unsettled publish(es) carrying `key` as returned. A
     /// publish keyed by its LSN is unique among unsettled ones; several unsettled publishes
     /// may share a message id, and then all of them are marked (a duplicate is acceptable,
-    /// a loss is not). Returns how many were marked.
+    /// a loss is not), so the returns of the others find them marked already. Returns how
+    /// many were marked (0 when every match was marked already).
     ///
     /// # Errors
     /// [`Violation::ReturnWithoutKey`], [`Violation::ReturnMatchesNothing`].
@@ -140,11 +141,13 @@ impl<T> Confirms<T> {
             });
         }
         let mut marked = 0;
+        let mut matched = false;
         for entry in self.slots.iter_mut().flatten() {
             let hit = match &entry.key {
                 MatchKey::Lsn(lsn) => key.lsn == Some(*lsn),
                 MatchKey::MessageId(id) => key.message_id == Some(id.as_str()),
             };
+            matched |= hit;
             if hit && entry.returned.is_none() {
                 entry.returned = Some((reply_code, reply_text.to_owned()));
                 marked += 1;
@@ -153,7 +156,9 @@ impl<T> Confirms<T> {
                 }
             }
         }
-        if marked == 0 {
+        // Matching only publishes already marked is expected when publishes share a
+        // message id: the first of their returns marked them all.
+        if !matched {
             let key = match (key.lsn, key.message_id) {
                 (Some(lsn), _) => format!("x-pgoutbox-lsn {lsn}"),
                 (None, Some(id)) => format!("message_id {id:?}"),
@@ -408,6 +413,8 @@ mod tests {
             message_id: Some("a"),
         };
         assert_eq!(c.returned(key, 312, "NO_ROUTE"), Ok(2));
+        // The second publish's own return finds it marked: expected, not a violation.
+        assert_eq!(c.returned(key, 312, "NO_ROUTE"), Ok(0));
         let mut out = Vec::new();
         c.ack(3, true, &mut out).unwrap();
         assert_eq!(

@@ -17,6 +17,7 @@ use super::confirms::{ReturnedKey, Violation};
 use super::exchanges::DECLARE_CHANNEL;
 use super::{wire, Publisher, Returning, State, CHANNEL, MATCH_KEY_HEADER};
 use crate::lsn::Lsn;
+use crate::sink::CHANNEL_CLOSED;
 
 impl<T> Publisher<T> {
     /// Handles every complete frame in the read buffer (until the connection fails).
@@ -179,9 +180,13 @@ impl<T> Publisher<T> {
     /// queued, and the connection fails.
     fn on_close(&mut self, ok: AMQPFrame, what: &str, reply_code: u16, reply_text: &str) {
         let _ = wire::encode(&mut self.out, &ok);
-        self.fail(format!(
-            "the broker closed the {what} with {reply_code} {reply_text}"
-        ));
+        if what == "channel" {
+            self.fail(format!("{CHANNEL_CLOSED}{reply_code} {reply_text}"));
+        } else {
+            self.fail(format!(
+                "the broker closed the {what} with {reply_code} {reply_text}"
+            ));
+        }
     }
 
     /// `connection.blocked` (with its reason) or `connection.unblocked` (`None`); each start

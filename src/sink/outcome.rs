@@ -11,6 +11,11 @@
 //! (see [`crate::publisher::MatchKey`]); see [`crate::publisher::confirms`] for the
 //! settling rule.
 
+/// How a [`PublishOutcome::Failed`] text begins when the destination closed the publishing
+/// channel over a publish (AMQP `channel.close`); the reply code and text follow
+/// (`403 ACCESS_REFUSED - ...`). The pipeline reads it to find the message that caused it.
+pub const CHANNEL_CLOSED: &str = "the broker closed the channel with ";
+
 /// What became of one published message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PublishOutcome {

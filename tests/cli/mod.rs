@@ -671,3 +671,38 @@ async fn dead_letter_commands_list_requeue_and_purge_what_they_say() {
     );
     assert!(list(&ob, &["--all"]).is_empty());
 }
+
+/// Issue 21, item 14: a command whose reader has gone (`pgoutbox maintenance | head -1`)
+/// ends quietly: no panic (exit 101), its own exit status, nothing but its own output on
+/// stderr. The pipe is closed before the command writes its first line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn printing_commands_end_quietly_on_a_closed_pipe() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new_without_queue(pg, "amqp://guest:guest@127.0.0.1:1/%2f", "cli_epipe").await;
+    let url = ob.url();
+    let commands: [&[&str]; 4] = [
+        &["maintenance", "--database-url", &url],
+        &["status", "--database-url", &url, "--slot", &ob.slot],
+        &["dead-letters", "list", "--database-url", &url],
+        &["journal", "x", "--database-url", &url],
+    ];
+    for args in commands {
+        let mut child = std::process::Command::new(bin())
+            .args(args)
+            .env("PGOUTBOX_HTTP_ADDR", "off")
+            .env("NO_COLOR", "1")
+            .env("RUST_BACKTRACE", "0")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn pgoutbox");
+        // The reader goes away at once.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_ne!(out.status.code(), Some(101), "{args:?} panicked:\n{err}");
+        assert!(!err.contains("panicked"), "{args:?}:\n{err}");
+        assert!(!err.contains("Broken pipe"), "{args:?}:\n{err}");
+        println!("{args:?}: exit {:?}", out.status.code());
+    }
+}

@@ -393,3 +393,65 @@ async fn passwords_from_argv_env_and_files_appear_nowhere() {
     rabbit.ctl_ok(&["delete_user", &amqp_user]);
     seen.assert_clean();
 }
+
+/// Issue 21, item 14: a malformed URL (`amqp//`, `amqp:/`, no scheme, `postgres//`, a typo
+/// in the second URL of a comma-separated list) is a usage error (exit 2) that never shows
+/// the password, in text or JSON logs, from `run` or `check`, and is never sent anywhere
+/// (the glued-on second URL is refused rather than becoming part of a vhost). No server is
+/// needed: these fail before connecting.
+#[test]
+fn malformed_urls_are_usage_errors_that_never_show_the_password() {
+    let pw = MARK;
+    let good_pg = "postgres://pgoutbox_streamer@127.0.0.1:1/db";
+    let good_amqp = "amqp://guest:guest@127.0.0.1:1/%2f";
+    let bad_amqp = [
+        format!("amqp//u:{pw}@127.0.0.1:5672/%2f"),
+        format!("amqp:/u:{pw}@127.0.0.1:5672/%2f"),
+        format!("u:{pw}@127.0.0.1:5672/%2f"),
+        format!("amqp://guest:guest@127.0.0.1:5672/%2f,amqp//u:{pw}@127.0.0.1:5673/%2f"),
+        format!("amqp://guest:guest@127.0.0.1:5672/%2f,amqp:/u:{pw}@127.0.0.1:5673/%2f"),
+    ];
+    let bad_pg = [
+        format!("postgres//u:{pw}@127.0.0.1:5432/db"),
+        format!("postgres:/u:{pw}@127.0.0.1:5432/db"),
+        format!("u:{pw}@127.0.0.1:5432/db"),
+        format!("postgres://u:x@127.0.0.1:5432/db,postgres//u:{pw}@127.0.0.1:5433/db"),
+    ];
+    let cases = bad_amqp
+        .iter()
+        .map(|a| (good_pg.to_owned(), a.clone()))
+        .chain(bad_pg.iter().map(|p| (p.clone(), good_amqp.to_owned())));
+    let mut checked = 0;
+    for (pg, amqp) in cases {
+        for command in ["run", "check"] {
+            for format in ["text", "json"] {
+                let args = [
+                    command,
+                    "--database-url",
+                    &pg,
+                    "--amqp-url",
+                    &amqp,
+                    "--slot",
+                    "s",
+                    "--publication",
+                    "p",
+                    "--log-format",
+                    format,
+                ];
+                let out = pgoutbox(&args, &[]);
+                let shown = text(&out);
+                assert_eq!(
+                    out.status.code(),
+                    Some(2),
+                    "{command} {format} with {pg} / {amqp}: a usage error\n{shown}"
+                );
+                assert!(
+                    !shown.contains(pw),
+                    "{command} {format} with {pg} / {amqp} shows the password:\n{shown}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    println!("{checked} runs: usage errors, no password");
+}
