@@ -124,6 +124,7 @@ mod tests {
             headers: Default::default(),
             payload: Default::default(),
             emitted_by: None,
+            emitted_by_unchecked: false,
             exchange: None,
             meta: crate::envelope::Metadata {
                 aggregate_id: aggregate.map(str::to_owned),

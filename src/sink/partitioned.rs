@@ -179,16 +179,21 @@ mod tests {
     use crate::lsn::Lsn;
     use crate::sink::{Exchange, PartHealth};
 
+    /// What one poll of a part returns.
+    type Settled = Result<Vec<(Seq, PublishOutcome)>, SinkError>;
+
     /// A part that records what it was given and settles what the test queues.
     #[derive(Default)]
     struct Part {
         published: Arc<Mutex<Vec<Seq>>>,
-        ready: VecDeque<Result<Vec<(Seq, PublishOutcome)>, SinkError>>,
+        ready: VecDeque<Settled>,
     }
 
     impl Sink for Part {
         fn publish(&mut self, d: Delivery) -> Result<(), SinkError> {
-            self.published.lock().unwrap().push(d.seq);
+            if let Ok(mut log) = self.published.lock() {
+                log.push(d.seq);
+            }
             Ok(())
         }
         fn poll_settled(
@@ -225,6 +230,7 @@ mod tests {
                 headers: Default::default(),
                 payload: Default::default(),
                 emitted_by: None,
+                emitted_by_unchecked: false,
                 exchange: None,
                 meta: Metadata {
                     aggregate_id: aggregate.map(str::to_owned),
@@ -297,7 +303,7 @@ mod tests {
     }
 
     fn with_ready(
-        per_part: Vec<Vec<Result<Vec<(Seq, PublishOutcome)>, SinkError>>>,
+        per_part: Vec<Vec<Settled>>,
     ) -> PartitionedSink {
         let parts = per_part
             .into_iter()

@@ -438,7 +438,7 @@ fn malformed_urls_are_usage_errors_that_never_show_the_password() {
                     "--log-format",
                     format,
                 ];
-                let out = pgoutbox(&args, &[]);
+                let out = pgoutbox_env(&args, &[]);
                 let shown = text(&out);
                 assert_eq!(
                     out.status.code(),
