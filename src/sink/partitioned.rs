@@ -302,9 +302,7 @@ mod tests {
         s.poll_settled(&mut Context::from_waker(&waker))
     }
 
-    fn with_ready(
-        per_part: Vec<Vec<Settled>>,
-    ) -> PartitionedSink {
+    fn with_ready(per_part: Vec<Vec<Settled>>) -> PartitionedSink {
         let parts = per_part
             .into_iter()
             .map(|r| {
