@@ -293,10 +293,6 @@ pub fn resume_position(
             });
         }
     }
-    // The watermark may be ahead of what was recorded by up to the record's slack: resume
-    // from what the database holds a record of, so a restore while `run` goes on (the
-    // record then lags the watermark) re-sends rather than skips (issue 21, item 8).
-    let resume = seen.map_or(resume, |seen| resume.min(seen.recorded));
     if identity.xlogpos < resume {
         return Err(ResumeDropped::WalBehind {
             xlogpos: identity.xlogpos,
@@ -860,11 +856,6 @@ mod tests {
             Ok(Some(Lsn(0x500)))
         );
         assert_eq!(resume_position(None, Some(&seen), &same, None), Ok(None));
-        // The watermark ahead of what was recorded (the record's slack): the recorded LSN.
-        assert_eq!(
-            resume_position(Some(Lsn(0x800)), Some(&seen), &same, Some(Lsn(0x500))),
-            Ok(Some(Lsn(0x500)))
-        );
         assert_eq!(
             resume_position(
                 Some(Lsn(0x500)),
