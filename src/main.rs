@@ -57,7 +57,7 @@ fn main() -> ExitCode {
             if let Some(note) = file.as_ref().and_then(|f| f.note_for(e.setting)) {
                 eprintln!("  {note}");
             }
-            see_page(e.setting);
+            see_page(cli.log_format, e.setting);
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -83,7 +83,7 @@ fn main() -> ExitCode {
         Err(e) => {
             report_exit(format, &e);
             if let Error::Config(v) = &e {
-                see_page(v.setting);
+                see_page(format, v.setting);
             }
             if is_status {
                 ExitCode::from(EXIT_STATUS_UNKNOWN)
@@ -97,9 +97,10 @@ fn main() -> ExitCode {
 }
 
 /// Names, on stderr, the book page that explains `setting` (a flag such as
-/// `--max-in-flight`), under an error about it.
-fn see_page(setting: &str) {
-    if setting.starts_with("--") {
+/// `--max-in-flight`), under an error about it. Text logs only: under `--log-format json`
+/// the exit report stays the last line and one JSON object (it names the setting).
+fn see_page(format: LogFormat, setting: &str) {
+    if format == LogFormat::Text && setting.starts_with("--") {
         eprintln!(
             "  see docs/src/{} (pgoutbox's book)",
             pgoutbox::cli::docs::page_for_flag(setting)
@@ -250,7 +251,7 @@ fn usage_error(e: clap::Error) -> ExitCode {
     if !wants_json {
         let _ = e.print();
         if let Some(flag) = &flag {
-            see_page(flag);
+            see_page(LogFormat::Text, flag);
         }
         return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE));
     }
