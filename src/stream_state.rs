@@ -630,11 +630,15 @@ pub struct FlushGate {
 }
 
 /// How far the flush LSN may move over WAL without outbox commits (primary keepalives
-/// only) before it is recorded: 1 MiB, so the record's own write (a few hundred bytes of
-/// WAL, which the next keepalive reports) never asks for another write. Without it an idle
-/// streamer would write its record every [`RECORD_INTERVAL`] for ever; with it the slot of
-/// an idle outbox lags at most this much (well inside the 16 MB idle-lag bound).
-pub const IDLE_RECORD_SLACK: u64 = 1 << 20;
+/// only) before it is recorded: 64 KiB. The reported flush LSN may pass the record only by
+/// recording it first (the gap rule reads a slot ahead of the record as lost history), so
+/// this is how far an idle slot may stay behind the server's WAL: at most 64 KiB plus the
+/// record's own last write. It must stay well above that write (a few hundred bytes, or a
+/// full-page image of about 8 KiB after a checkpoint), which the next keepalive reports:
+/// otherwise each record would ask for the next one, and an idle streamer would write its
+/// record every [`RECORD_INTERVAL`] for ever. Other WAL (another database's, unpublished
+/// tables') costs one record write of a few hundred bytes per 64 KiB of it, under 1 %.
+pub const IDLE_RECORD_SLACK: u64 = 64 << 10;
 
 impl FlushGate {
     /// The flush LSN that may be reported now (committed to `outbox.stream_state`).

@@ -52,14 +52,11 @@ async fn stream_and_stop(ob: &Outbox<'_>, prefix: &str, n: usize) {
     let streamer = ob.run(&[]);
     wait_streaming(&streamer).await;
     emit(ob, prefix, n);
-    let end = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
     let got = ob.drain(n, scaled(Duration::from_secs(30))).await;
     assert_eq!(ids_of(&got), expected(prefix, n), "{}", streamer.log());
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() >= end
-        })
-        .await,
+        ob.settled_through_now(scaled(Duration::from_secs(30)))
+            .await,
         "the slot advanced past the messages:\n{}",
         streamer.log()
     );
@@ -216,14 +213,11 @@ async fn a_data_directory_restored_under_a_running_streamer_loses_nothing() {
     copy_dir(&pg.data_dir(), &copy);
     pg.start();
     emit(&ob, "first", 1000);
-    let end = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
     let got = ob.drain(1000, scaled(Duration::from_secs(60))).await;
     assert_eq!(ids_of(&got), expected("first", 1000), "{}", streamer.log());
     assert!(
-        support::wait_until(scaled(Duration::from_secs(20)), || async {
-            ob.confirmed_flush() >= end
-        })
-        .await,
+        ob.settled_through_now(scaled(Duration::from_secs(30)))
+            .await,
         "the streamer settled the first 1,000 (its resume position is past them):\n{}",
         streamer.log()
     );

@@ -222,6 +222,59 @@ async fn idle_lag_comes_down_after_a_busy_period_without_new_wal() {
     streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
+/// Issue 21 item 14: with nothing in flight, WAL the outbox does not publish (a table
+/// outside the publication) is acknowledged as it goes by: the idle slot stays within
+/// `stream_state::IDLE_RECORD_SLACK` (64 KiB) plus pgoutbox's own record write of the WAL
+/// end, not up to 1 MiB behind it (what the slack was: 126,008 bytes stayed unacknowledged
+/// for minutes in an operator's trial).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_slot_follows_unpublished_wal_within_the_record_slack() {
+    // Its own cluster: another test's WAL would move the end this measures against.
+    let pg = Postgres::start_private(&[("wal_sender_timeout", "10s"), ("autovacuum", "off")]);
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(&pg, &rmq.url(), "hard_slack").await;
+    let streamer = ob.run(&[]);
+    let first = ob.emit("idle", "slack-1");
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
+    assert!(
+        ob.flushed_past(first, scaled(Duration::from_secs(30)))
+            .await,
+        "the message's commit was acknowledged\n{}",
+        streamer.log()
+    );
+    // About 600 KiB of WAL that no outbox message is part of: more than the slack allows,
+    // less than the 1 MiB it used to be.
+    let before = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    ob.sql("CREATE TABLE junk (x text)");
+    ob.sql("INSERT INTO junk SELECT repeat(md5(g::text), 8) FROM generate_series(1, 1800) g");
+    let after = lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    let written = after - before;
+    assert!(
+        (256 * 1024..1024 * 1024).contains(&written),
+        "the unpublished WAL is between the new slack and the old one: {written} bytes"
+    );
+    // Bound: the slack, plus the record's write (a full-page image at most) and the
+    // server's own small records (running_xacts).
+    let bound = 64 * 1024 + 24 * 1024;
+    let mut lag = 0;
+    let followed = support::wait_until(scaled(Duration::from_secs(60)), || {
+        lag = ob.lag_bytes();
+        let now = lag;
+        async move { now >= 0 && (now as u64) < bound }
+    })
+    .await;
+    assert!(
+        followed,
+        "the idle slot stayed {lag} bytes behind the WAL after {written} bytes of unpublished WAL (bound {bound})\n{}",
+        streamer.log()
+    );
+    assert!(
+        ob.confirmed_flush() >= after - bound,
+        "the acknowledged position passed most of the unpublished WAL"
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+}
+
 /// Section 3: a message under `--max-message-bytes` but over the broker's
 /// `max_message_size` is dead-lettered with the broker's text, and later messages flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -100,7 +100,7 @@ async fn wait_ready(port: u16, streamer: &Streamer, timeout: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_follow_a_stream_and_a_blocked_broker() {
     // Its own cluster: on the shared one, other tests' WAL legitimately keeps the reported
-    // flush LSN up to stream_state::IDLE_RECORD_SLACK (1 MiB) behind the WAL end of an idle
+    // flush LSN up to stream_state::IDLE_RECORD_SLACK (64 KiB) behind the WAL end of an idle
     // slot, and the lag check below would measure them.
     let pg = Postgres::start_private(&[]);
     let rmq = RabbitMq::start_private();

@@ -154,6 +154,22 @@ impl<'a> Outbox<'a> {
         super::wait_until(timeout, || async { self.confirmed_flush() > lsn }).await
     }
 
+    /// Waits up to `timeout` until everything committed before this call is at or below the
+    /// slot's confirmed_flush_lsn; false when it never was.
+    ///
+    /// It commits a marker (a transaction holding only a logical message of another prefix,
+    /// which the streamer acknowledges without publishing) and waits for the slot to pass it.
+    /// Waiting for `pg_current_wal_lsn()` instead is a race: WAL after the last commit
+    /// (pgoutbox's own `outbox.stream_state` write, the server's running_xacts, other tests'
+    /// WAL on the shared cluster) is acknowledged only once it exceeds the record's slack, so
+    /// such a wait passes or fails by which write came first.
+    pub async fn settled_through_now(&self, timeout: Duration) -> bool {
+        let marker = lsn(&self.sql(
+            "SELECT pg_logical_emit_message(true, 'pgoutbox-test-marker', 'settled through now')",
+        ));
+        self.flushed_past(marker, timeout).await
+    }
+
     /// Emits one message in its own transaction (`outbox.emit(topic, '{}', '{}', id)`, as
     /// the superuser) and returns its LSN.
     pub fn emit(&self, topic: &str, id: &str) -> u64 {
