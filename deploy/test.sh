@@ -8,7 +8,7 @@
 # directory means neither waits for the other's lock) at the lowest CPU priority: the
 # integration tests spend much of their time waiting on servers, and clippy takes that idle
 # CPU instead of a step of its own. Its verdict is waited for at the end and fails the
-# command like any test (PGOUTBOX_CLIPPY=serial runs it first, alone, as before).
+# command like any test (PGOUTBOX_TEST_CLIPPY=serial runs it first, alone, as before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +21,7 @@ clippy_log=target/clippy.log
 clippy() {
     CARGO_TARGET_DIR=target/clippy cargo clippy --all-targets -- -D warnings
 }
-if [[ "${PGOUTBOX_CLIPPY:-beside}" == serial ]]; then
+if [[ "${PGOUTBOX_TEST_CLIPPY:-beside}" == serial ]]; then
     clippy
     clippy_pid=
 else

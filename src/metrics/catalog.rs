@@ -30,8 +30,9 @@ pub struct MetricDoc {
     pub buckets: Vec<String>,
 }
 
-/// Labels whose values are not a fixed set (shown by name only).
-const OPEN_LABELS: &[&str] = &["version"];
+/// Labels whose values are not a fixed set (shown by name only): the build's `version`, and
+/// `partition` (`0` to `--partitions` - 1).
+const OPEN_LABELS: &[&str] = &["version", "partition"];
 
 /// Every metric family of a fresh `run`, in registry order.
 pub fn catalog() -> Vec<MetricDoc> {
@@ -203,6 +204,19 @@ mod tests {
         let info = get(super::super::BUILD_INFO);
         assert_eq!(info.labels, vec![("version".to_owned(), vec![])]);
         assert_eq!(get(super::super::STALLED).kind, "gauge");
+        // One series per partition connection: the label is shown, its values are not fixed.
+        for name in [
+            super::super::PARTITION_PUBLISHED_TOTAL,
+            super::super::PARTITION_UNSETTLED_MESSAGES,
+            super::super::PARTITION_CONNECTED,
+            super::super::PARTITION_BLOCKED,
+        ] {
+            assert_eq!(
+                get(name).labels,
+                vec![("partition".to_owned(), vec![])],
+                "{name}"
+            );
+        }
     }
 
     #[test]

@@ -39,11 +39,16 @@ pub mod counters;
 pub mod gauges;
 pub mod http;
 pub mod latency;
+pub mod partitions;
 pub mod probe;
 
 pub use counters::Counters;
 pub use gauges::Gauges;
 pub use latency::{ConfirmLatency, LatencyBatch};
+pub use partitions::{
+    PartTurn, Partitions, PARTITION_BLOCKED, PARTITION_CONNECTED, PARTITION_PUBLISHED_TOTAL,
+    PARTITION_UNSETTLED_MESSAGES,
+};
 pub use probe::{Phase, Probe, Readiness, Role};
 
 /// Default `--http-addr`: loopback only (metrics are not for the world), port 8432. The
@@ -171,6 +176,10 @@ pub const NAMES: &[&str] = &[
     STALLED,
     BROKER_BLOCKED,
     ROLE,
+    PARTITION_PUBLISHED_TOTAL,
+    PARTITION_UNSETTLED_MESSAGES,
+    PARTITION_CONNECTED,
+    PARTITION_BLOCKED,
     CONFIRM_LATENCY_SECONDS,
     BUILD_INFO,
 ];
@@ -227,6 +236,7 @@ pub struct Telemetry {
     registry: Registry,
     counters: Counters,
     gauges: Gauges,
+    partitions: Partitions,
     latency: ConfirmLatency,
     probe: Probe,
 }
@@ -237,9 +247,11 @@ impl Telemetry {
         let mut registry = Registry::default();
         let counters = Counters::default();
         let gauges = Gauges::default();
+        let partitions = Partitions::default();
         let latency = ConfirmLatency::default();
         counters.register(&mut registry);
         gauges.register(&mut registry);
+        partitions.register(&mut registry);
         registry.register(
             CONFIRM_LATENCY_SECONDS,
             "Commit-to-confirm latency, in seconds",
@@ -254,6 +266,7 @@ impl Telemetry {
             registry,
             counters,
             gauges,
+            partitions,
             latency,
             probe: Probe::new(stall_after),
         })
@@ -301,6 +314,11 @@ impl Telemetry {
     /// fails.
     pub fn broker_lost_flag(&self) -> Arc<AtomicBool> {
         self.probe.broker_lost_flag()
+    }
+
+    /// Partition `i`'s figures of one turn (`pgoutbox_partition_*`).
+    pub fn partition(&self, i: usize, turn: PartTurn) {
+        self.partitions.set(i, turn);
     }
 
     /// A session started streaming.

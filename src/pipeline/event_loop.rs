@@ -44,7 +44,7 @@ use crate::pgoutput::{self, Begin, Commit, LogicalMessage, Message};
 use crate::replication::session::ReplicationStream;
 use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
 use crate::routing::{Exchange, Router};
-use crate::sink::{recv_settled, PublishOutcome, Seq, Sink, SinkError};
+use crate::sink::{recv_settled, PartHealth, PublishOutcome, Seq, Sink, SinkError};
 use crate::stream_state::FlushGate;
 
 /// Frames handled per loop turn before confirms and timers get another look.
@@ -101,6 +101,9 @@ pub(super) struct Core {
     summary: RunSummary,
     /// Metrics and probe state, written once per turn.
     telemetry: Arc<Telemetry>,
+    /// Publishes per sink part already counted in the per-partition metrics (this
+    /// session's sink counts from 0).
+    part_published: Vec<u64>,
 }
 
 /// The loop's error for a sink that failed or refused in a way no message settles.
@@ -172,12 +175,13 @@ impl Core {
             next_read_at: Instant::now(),
             summary,
             telemetry,
+            part_published: Vec::new(),
         }
     }
 
     /// Reports this turn to the metrics (counters, gauges, latencies, the stall clock and
     /// the heartbeat): a few relaxed atomic stores, once per turn, never per message.
-    fn report_turn(&mut self) {
+    fn report_turn(&mut self, sink: &dyn Sink) {
         // Once per turn: ask the recorder to record where the watermark is now.
         self.status.want(self.settling.wm().flushed());
         if let Some(at) = self.settling.stall_turn(Instant::now()) {
@@ -198,6 +202,26 @@ impl Core {
             oldest_commit_time_us: self.settling.oldest().map(|m| m.commit_time_us),
         };
         self.telemetry.turn(&turn, self.settling.latency());
+        self.report_parts(sink);
+    }
+
+    /// The per-partition metrics from the sink's parts (one part without `--partitions`).
+    fn report_parts(&mut self, sink: &dyn Sink) {
+        let parts = sink.parts();
+        self.part_published.resize(parts.len(), 0);
+        for (i, (part, seen)) in parts.iter().zip(self.part_published.iter_mut()).enumerate() {
+            let published = part.published.saturating_sub(*seen);
+            *seen = part.published;
+            self.telemetry.partition(
+                i,
+                crate::metrics::PartTurn {
+                    published,
+                    unsettled: part.unsettled as u64,
+                    connected: part.health != PartHealth::Lost,
+                    blocked: part.health == PartHealth::Blocked,
+                },
+            );
+        }
     }
 
     /// The LSN known to be settled.
@@ -280,7 +304,7 @@ impl Core {
                 }
             }
             let g = self.guards(drain.as_ref(), &*sink);
-            self.report_turn();
+            self.report_turn(&*sink);
             tokio::select! {
                 biased;
                 // PRIORITY 1: shutdown. Cancel safety: watch::Receiver::changed is cancel safe.

@@ -10,13 +10,17 @@ use futures::future::BoxFuture;
 
 use super::encode::Encoder;
 use super::{Error, Publisher, PublisherConfig};
-use crate::sink::{Delivery, PartHealth, PublishOutcome, Seq, Sink, SinkError, SinkHealth};
+use crate::sink::{
+    Delivery, PartFigures, PartHealth, PublishOutcome, Seq, Sink, SinkError, SinkHealth,
+};
 
 /// One AMQP 0-9-1 connection with publisher confirms, as a [`Sink`].
 #[derive(Debug)]
 pub struct AmqpSink {
     publisher: Publisher<Seq>,
     encoder: Encoder,
+    /// Publishes accepted since it connected (for the per-partition metrics).
+    published: u64,
 }
 
 impl AmqpSink {
@@ -26,7 +30,11 @@ impl AmqpSink {
     /// As [`Publisher::connect`].
     pub async fn connect(config: &PublisherConfig, encoder: Encoder) -> Result<Self, Error> {
         let publisher = Publisher::connect(config).await?;
-        Ok(AmqpSink { publisher, encoder })
+        Ok(AmqpSink {
+            publisher,
+            encoder,
+            published: 0,
+        })
     }
 
     /// The publisher underneath (its negotiated limits, for tests and logs).
@@ -53,7 +61,9 @@ impl Sink for AmqpSink {
             .encoder
             .encode(delivery)
             .map_err(SinkError::Unencodable)?;
-        self.publisher.publish(message).map_err(sink_error)
+        self.publisher.publish(message).map_err(sink_error)?;
+        self.published += 1;
+        Ok(())
     }
 
     fn poll_settled(
@@ -85,6 +95,14 @@ impl Sink for AmqpSink {
 
     fn unsettled(&self) -> usize {
         self.publisher.unsettled()
+    }
+
+    fn parts(&self) -> Vec<PartFigures> {
+        vec![PartFigures {
+            health: self.health().parts[0],
+            unsettled: self.unsettled(),
+            published: self.published,
+        }]
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {

@@ -161,6 +161,17 @@ pub enum PartHealth {
     Lost,
 }
 
+/// One part's figures, for the per-partition metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartFigures {
+    /// Its connection's state.
+    pub health: PartHealth,
+    /// Publishes accepted by it and not yet settled.
+    pub unsettled: usize,
+    /// Publishes accepted by it since it connected (every attempt).
+    pub published: u64,
+}
+
 /// A sink's health: one [`PartHealth`] per connection (one for the AMQP sink, one per
 /// partition for a partitioned sink).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,6 +243,22 @@ pub trait Sink: Send {
 
     /// Publishes accepted and not yet settled.
     fn unsettled(&self) -> usize;
+
+    /// Each connection's figures, in [`Sink::health`]'s order. The default gives one part
+    /// (the first of `health()`) with `published` 0: a sink with several connections, or
+    /// one that counts its publishes, says more.
+    fn parts(&self) -> Vec<PartFigures> {
+        vec![PartFigures {
+            health: self
+                .health()
+                .parts
+                .first()
+                .copied()
+                .unwrap_or(PartHealth::Lost),
+            unsettled: self.unsettled(),
+            published: 0,
+        }]
+    }
 
     /// Closes the connections, best effort; the caller bounds how long it may take.
     /// Anything unsettled stays unacknowledged and is sent again by the next session.

@@ -23,7 +23,7 @@ use std::task::{Context, Poll};
 
 use futures::future::BoxFuture;
 
-use super::{Delivery, PublishOutcome, Seq, Sink, SinkError, SinkHealth};
+use super::{Delivery, PartFigures, PublishOutcome, Seq, Sink, SinkError, SinkHealth};
 use crate::partition::{partition_for, PartitionKey};
 
 /// Several sinks (one per partition) as one [`Sink`].
@@ -159,6 +159,10 @@ impl Sink for PartitionedSink {
 
     fn unsettled(&self) -> usize {
         self.parts.iter().map(|p| p.unsettled()).sum()
+    }
+
+    fn parts(&self) -> Vec<PartFigures> {
+        self.parts.iter().flat_map(|p| p.parts()).collect()
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq, Streamer};
+use crate::support::{lsn, scaled, Outbox, Postgres, RabbitMq, Streamer};
 
 async fn wait_streaming(streamer: &Streamer) {
     assert!(
