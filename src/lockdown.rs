@@ -20,16 +20,21 @@
 //! [`Lockdown`] is fed from two places: the record, read once at the start of each session
 //! ([`Lockdown::from_record`]), and the markers, in stream order ([`Lockdown::on_marker`]).
 //! No timer and no re-read are involved, so a lockdown applied while `run` runs takes
-//! effect with no delay: exactly at the lockdown transaction's commit in the stream.
+//! effect with no delay: exactly at the commit of the marker's transaction (the lockdown's
+//! second step, `crate::admin::lockdown`) in the stream.
 //!
-//! - The walsender decodes transactions in commit order. A message written under the
-//!   lockdown (after its commit made the revoke visible) belongs to a transaction that
-//!   commits after the lockdown transaction, so it is decoded after the marker: the
-//!   streamer has seen the marker before it classifies that message, whatever it read at
-//!   session start. Its LSN is after the marker's (it was written later), so it is checked.
-//! - A session that starts after the lockdown transaction was acknowledged does not see the
-//!   marker again; but then the lockdown had committed before, so the record it reads at
-//!   session start holds the marker's LSN.
+//! - The walsender decodes transactions in commit order. A message decoded before the
+//!   marker (its transaction committed first) by a session that read no lockdown at its
+//!   start is not checked, whatever its LSN: it is delivered with its emitter not sent as
+//!   checked, never as trusted (every transaction still running when the marker was
+//!   written began after the `REVOKE`, so it emitted through the helpers). A message in a
+//!   transaction that commits after the marker's is decoded after the marker, so the
+//!   streamer has seen it before it classifies that message, whatever it read at session
+//!   start, and the message is checked when its LSN is after the marker's.
+//! - A session that starts after the marker's transaction was acknowledged does not see
+//!   the marker again; but then that transaction had committed before, so the record it
+//!   reads at session start holds the marker's LSN. Until the second step ran, the record's
+//!   `enabled_at_lsn` is NULL (a pending lockdown): nothing is checked yet.
 //! - The check compares the **message's own LSN** with the marker's, not its commit LSN: a
 //!   message written before the lockdown in a transaction that commits after it is
 //!   "pending from before the lockdown" and is delivered.

@@ -153,7 +153,12 @@ pub enum StatusUpdateKind {
     Periodic,
     /// The answer to a Primary keepalive that had `reply_requested` set.
     KeepaliveReply,
-    /// The final update before a clean shutdown, carrying the last flushed position.
+    /// The last update of a session that stops (a clean shutdown, or a drain that ran out
+    /// of time): `flush` is the watermark capped by what `outbox.stream_state` recorded,
+    /// after the pipeline waited briefly for the record to catch up
+    /// (`crate::pipeline`'s status sender). Nothing waits for the server's answer: CopyDone
+    /// and Terminate follow at once, and the walsender handles this update before the
+    /// CopyDone behind it on the socket.
     ShutdownFlush,
     /// A periodic update sent while nothing is pending and the flush position is behind the
     /// newest WAL position seen: it asks the server for a primary keepalive, whose `walEnd`
@@ -164,11 +169,10 @@ pub enum StatusUpdateKind {
 impl StatusUpdateKind {
     /// Whether the update asks the server to reply immediately (the reply-requested byte).
     ///
-    /// True for [`StatusUpdateKind::ShutdownFlush`]: the server then answers with a
-    /// Primary keepalive, and receiving it proves the server has read our final status
-    /// update (and so recorded the flushed position in the slot's memory) before we close
-    /// the connection. True for [`StatusUpdateKind::IdleProbe`], whose point is the
-    /// keepalive it brings. Asking for replies in the other cases would only add traffic.
+    /// True for [`StatusUpdateKind::IdleProbe`], whose point is the keepalive it brings.
+    /// True for [`StatusUpdateKind::ShutdownFlush`] as well, although the session does not
+    /// wait for that answer (it closes right after; see the variant): the walsender's reply
+    /// costs one keepalive. Asking for replies in the other cases would only add traffic.
     #[must_use]
     pub fn request_reply(self) -> bool {
         matches!(
