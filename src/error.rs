@@ -80,6 +80,35 @@ pub enum Error {
         /// What was wrong with it.
         reason: String,
     },
+    /// The replication stream broke pgoutput's transaction order at `lsn` (a Begin while a
+    /// transaction is open, a Commit or a transactional message outside one): retried (a
+    /// reconnect reads the stream again) until it happens at the same LSN in
+    /// three sessions in a row, then
+    /// [`Error::StreamOrderRepeated`].
+    #[error("the replication stream broke pgoutput's transaction order at LSN {lsn}: {source}")]
+    StreamOrder {
+        /// The XLogData's WAL start.
+        lsn: Lsn,
+        /// What the watermark refused.
+        #[source]
+        source: crate::watermark::WatermarkError,
+    },
+    /// [`Error::StreamOrder`] at the same LSN in several sessions in a row: definite.
+    #[error("the replication stream broke pgoutput's transaction order at LSN {lsn} in {attempts} sessions in a row ({reason}); reconnecting reads the same WAL again, so pgoutbox stops. Nothing at or after {lsn} was acknowledged. Report it with the server's version and the output of pg_logical_slot_peek_binary_changes around that LSN (with the streamer stopped)")]
+    StreamOrderRepeated {
+        /// The XLogData's WAL start.
+        lsn: Lsn,
+        /// Sessions that failed there.
+        attempts: u32,
+        /// What the watermark refused.
+        reason: String,
+    },
+    /// pgoutbox's own settling state contradicted itself (a confirm for a message the
+    /// watermark does not hold, an in-flight record gone): a bug. Definite: pgoutbox stops
+    /// rather than guess what was delivered; nothing after the last acknowledged LSN was
+    /// acknowledged, so a restart sends it again.
+    #[error("internal error, please report it: {0}; pgoutbox stops rather than guess what was delivered (nothing after the last acknowledged LSN was acknowledged, a restart sends it again)")]
+    Internal(String),
     /// The same frame failed to decode in several sessions in a row: a definite error.
     #[error("the pgoutput message at LSN {lsn} failed to decode {attempts} times in a row ({reason}); reconnecting reads the same bytes again, so pgoutbox stops. Nothing at or after {lsn} was acknowledged. Inspect it with pg_logical_slot_peek_binary_changes (with the streamer stopped) and report it; skipping it means advancing the slot past it with pg_replication_slot_advance, which loses whatever it holds")]
     UndecodableWal {
@@ -142,6 +171,8 @@ impl Error {
             | Error::SlotBusy { .. }
             | Error::SlotGap(_)
             | Error::UndecodableWal { .. }
+            | Error::StreamOrderRepeated { .. }
+            | Error::Internal(_)
             | Error::DrainInterrupted { .. }
             | Error::ShutdownTimeout { .. } => false,
             Error::Postgres(crate::postgres::Error::PasswordMissing { .. }) => false,

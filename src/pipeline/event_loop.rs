@@ -694,8 +694,8 @@ impl Core {
             reason: e.to_string(),
         })?;
         match decoded {
-            LogicalMessage::Begin(b) => self.on_begin(&b),
-            LogicalMessage::Commit(c) => self.on_commit(&c),
+            LogicalMessage::Begin(b) => self.on_begin(wal_start, &b),
+            LogicalMessage::Commit(c) => self.on_commit(wal_start, &c),
             LogicalMessage::Message(m) if self.admission.is_marker(&m) => {
                 self.admission.on_marker(&m);
                 Ok(())
@@ -708,18 +708,18 @@ impl Core {
     }
 
     /// A transaction opens: the watermark and the open transaction learn it.
-    fn on_begin(&mut self, b: &Begin) -> Result<(), Error> {
+    fn on_begin(&mut self, at: Lsn, b: &Begin) -> Result<(), Error> {
         tracing::trace!(final_lsn = %b.final_lsn, "begin");
-        self.settling.begin()?;
+        self.settling.begin(at)?;
         self.txn
             .begin(b.final_lsn, pgoutput::pg_time_to_unix_us(b.commit_time_us));
         Ok(())
     }
 
     /// The open transaction commits: its end is the newest WAL position seen.
-    fn on_commit(&mut self, c: &Commit) -> Result<(), Error> {
+    fn on_commit(&mut self, at: Lsn, c: &Commit) -> Result<(), Error> {
         tracing::trace!(end_lsn = %c.end_lsn, "commit");
-        self.settling.commit(c.end_lsn)?;
+        self.settling.commit(at, c.end_lsn)?;
         self.status.note_commit(c.end_lsn);
         self.received = self.received.max(c.end_lsn);
         self.txn.commit();

@@ -75,26 +75,40 @@ impl SessionMemory {
         }
     }
 
-    /// Counts decode failures at one LSN across sessions; the [`DECODE_FAILURE_LIMIT`]th
-    /// becomes [`Error::UndecodableWal`]. Any other outcome resets the count.
+    /// Counts the failures that reading the same WAL again repeats (a frame that does not
+    /// decode, [`Error::Decode`]; a frame that breaks the transaction order,
+    /// [`Error::StreamOrder`]) at one LSN across sessions; the [`DECODE_FAILURE_LIMIT`]th
+    /// in a row becomes definite ([`Error::UndecodableWal`],
+    /// [`Error::StreamOrderRepeated`]). Any other outcome resets the count.
     pub fn note_decode_failure(&mut self, error: Error) -> Error {
-        let Error::Decode { lsn, reason } = &error else {
-            self.decode_failures = None;
-            return error;
+        let lsn = match &error {
+            Error::Decode { lsn, .. } | Error::StreamOrder { lsn, .. } => *lsn,
+            _ => {
+                self.decode_failures = None;
+                return error;
+            }
         };
         let count = match self.decode_failures {
-            Some((at, n)) if at == *lsn => n + 1,
+            Some((at, n)) if at == lsn => n + 1,
             _ => 1,
         };
-        self.decode_failures = Some((*lsn, count));
-        if count >= DECODE_FAILURE_LIMIT {
-            return Error::UndecodableWal {
-                lsn: *lsn,
-                attempts: count,
-                reason: reason.clone(),
-            };
+        self.decode_failures = Some((lsn, count));
+        if count < DECODE_FAILURE_LIMIT {
+            return error;
         }
-        error
+        match error {
+            Error::Decode { reason, .. } => Error::UndecodableWal {
+                lsn,
+                attempts: count,
+                reason,
+            },
+            Error::StreamOrder { source, .. } => Error::StreamOrderRepeated {
+                lsn,
+                attempts: count,
+                reason: source.to_string(),
+            },
+            other => other,
+        }
     }
 }
 
@@ -474,6 +488,36 @@ mod tests {
         memory.note_decode_failure(Error::BrokerLost("x".into()));
         memory.note_decode_failure(at(5));
         assert!(memory.note_decode_failure(at(6)).is_retryable());
+    }
+
+    /// A frame that breaks the transaction order (issue 21 item 9: it was retried forever)
+    /// is retried, and definite once it recurs at the same LSN; an internal contradiction
+    /// is definite at once.
+    #[test]
+    fn a_broken_transaction_order_at_one_lsn_becomes_definite() {
+        use crate::watermark::WatermarkError;
+        let mut memory = SessionMemory::default();
+        let at = |lsn| Error::StreamOrder {
+            lsn: Lsn(lsn),
+            source: WatermarkError::NestedBegin,
+        };
+        assert!(memory.note_decode_failure(at(7)).is_retryable());
+        assert!(memory.note_decode_failure(at(7)).is_retryable());
+        let e = memory.note_decode_failure(at(7));
+        assert!(!e.is_retryable(), "{e}");
+        assert!(
+            e.to_string().contains("0/7") && e.to_string().contains("another was still open"),
+            "{e}"
+        );
+        // A decode failure and an order failure at one LSN count together: the same WAL.
+        let mut memory = SessionMemory::default();
+        memory.note_decode_failure(at(9));
+        memory.note_decode_failure(Error::Decode {
+            lsn: Lsn(9),
+            reason: "truncated".into(),
+        });
+        assert!(!memory.note_decode_failure(at(9)).is_retryable());
+        assert!(!Error::Internal("a confirm for nothing".into()).is_retryable());
     }
 
     #[test]

@@ -119,25 +119,25 @@ impl Settling {
         &self.wm
     }
 
-    /// A transaction opens in the stream.
+    /// A transaction opens in the stream (its Begin's XLogData at `at`).
     ///
     /// # Errors
-    /// [`Error::Stream`] when one is open already.
-    pub fn begin(&mut self) -> Result<(), Error> {
+    /// [`Error::StreamOrder`] when one is open already.
+    pub fn begin(&mut self, at: Lsn) -> Result<(), Error> {
         self.wm
             .begin()
             .map(|_| ())
-            .map_err(|e| Error::Stream(e.to_string()))
+            .map_err(|source| Error::StreamOrder { lsn: at, source })
     }
 
-    /// The open transaction commits at `end_lsn`.
+    /// The open transaction commits at `end_lsn` (its Commit's XLogData at `at`).
     ///
     /// # Errors
-    /// [`Error::Stream`] when none is open.
-    pub fn commit(&mut self, end_lsn: Lsn) -> Result<(), Error> {
+    /// [`Error::StreamOrder`] when none is open.
+    pub fn commit(&mut self, at: Lsn, end_lsn: Lsn) -> Result<(), Error> {
         self.wm
             .commit(end_lsn)
-            .map_err(|e| Error::Stream(e.to_string()))
+            .map_err(|source| Error::StreamOrder { lsn: at, source })
     }
 
     /// A primary keepalive at `wal_end`, every XLogData before it handled: an idle
@@ -150,7 +150,7 @@ impl Settling {
     /// transaction at `place`, to be published; returns its sequence number.
     ///
     /// # Errors
-    /// [`Error::Stream`] outside a transaction.
+    /// [`Error::StreamOrder`] outside a transaction.
     pub fn record(
         &mut self,
         lsn: Lsn,
@@ -161,7 +161,7 @@ impl Settling {
         let txn = self
             .wm
             .add_message(content.len() as u64)
-            .map_err(|e| Error::Stream(e.to_string()))?;
+            .map_err(|source| Error::StreamOrder { lsn, source })?;
         Ok(self.in_flight.insert(InFlight {
             txn,
             lsn,
@@ -359,9 +359,9 @@ impl Settling {
 
     /// Removes the record of `seq` (settled, or handed to the dead-letter writer).
     fn take(&mut self, seq: Seq) -> Result<InFlight, Error> {
-        self.in_flight
-            .remove(seq)
-            .ok_or_else(|| Error::Stream("lost in-flight record".into()))
+        self.in_flight.remove(seq).ok_or_else(|| {
+            Error::Internal(format!("the in-flight record of message {seq:?} is gone"))
+        })
     }
 
     /// A message is settled (routed or dead-lettered): the watermark counts it.
@@ -369,7 +369,7 @@ impl Settling {
         self.stall.progress();
         self.wm
             .confirm(txn, bytes)
-            .map_err(|e| Error::Stream(e.to_string()))
+            .map_err(|e| Error::Internal(format!("settling a message of transaction {txn:?}: {e}")))
     }
 
     /// Hands the in-flight message `seq` to the dead-letter writer; it stays unsettled in

@@ -14,7 +14,7 @@
 //! Only that "return before ack" rule is relied on: a return marks the unsettled publish
 //! with its key, and the ack that later covers it settles it as returned, not routed.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use super::message::MatchKey;
 use super::PublishOutcome;
@@ -52,6 +52,17 @@ pub enum Violation {
         /// The key it carried, as text.
         key: String,
     },
+    /// A `basic.ack`, `basic.nack` or `basic.return` (or a content frame) on a channel we
+    /// never published on: its delivery tags are not ours to settle.
+    #[error("RabbitMQ sent {what} on channel {channel}, but pgoutbox publishes only on channel {expected}")]
+    WrongChannel {
+        /// The frame, e.g. `basic.ack`.
+        what: &'static str,
+        /// The channel it came on.
+        channel: u16,
+        /// The publishing channel.
+        expected: u16,
+    },
     /// An ack or nack of a delivery tag that was never published or is already settled.
     #[error("RabbitMQ sent basic.{kind} for delivery tag {tag} (multiple: {multiple}), but the last tag published is {last} and that tag is not unconfirmed")]
     UnknownTag {
@@ -77,7 +88,10 @@ struct Entry<T> {
 /// Unsettled publishes by delivery tag, and the settling rule.
 ///
 /// Memory is one slot per delivery tag from the oldest unsettled one to the newest, so it
-/// follows the window of unconfirmed publishes.
+/// follows the window of unconfirmed publishes, plus an index from each unsettled
+/// publish's key to its delivery tags, so that a `basic.return` costs a lookup, not a scan
+/// of the window (a window of every message unroutable would otherwise cost its size
+/// squared).
 #[derive(Debug)]
 pub struct Confirms<T> {
     /// The delivery tag of `slots[0]`.
@@ -85,6 +99,10 @@ pub struct Confirms<T> {
     /// `None` once settled.
     slots: VecDeque<Option<Entry<T>>>,
     unsettled: usize,
+    /// Unsettled delivery tags by [`MatchKey::Lsn`], ascending.
+    by_lsn: HashMap<Lsn, Vec<u64>>,
+    /// Unsettled delivery tags by [`MatchKey::MessageId`], ascending.
+    by_id: HashMap<String, Vec<u64>>,
 }
 
 impl<T> Default for Confirms<T> {
@@ -93,6 +111,37 @@ impl<T> Default for Confirms<T> {
             base: 1,
             slots: VecDeque::new(),
             unsettled: 0,
+            by_lsn: HashMap::new(),
+            by_id: HashMap::new(),
+        }
+    }
+}
+
+/// Removes the settled `tag`, published with `key`, from the return index.
+fn forget(
+    by_lsn: &mut HashMap<Lsn, Vec<u64>>,
+    by_id: &mut HashMap<String, Vec<u64>>,
+    key: &MatchKey,
+    tag: u64,
+) {
+    match key {
+        MatchKey::Lsn(lsn) => unindex(by_lsn, lsn, tag),
+        MatchKey::MessageId(id) => unindex(by_id, id.as_str(), tag),
+    }
+}
+
+/// Removes `tag` from the index entry under `key`, and the entry once it is empty.
+fn unindex<K: std::hash::Hash + Eq + ?Sized, Q: std::borrow::Borrow<K> + std::hash::Hash + Eq>(
+    index: &mut HashMap<Q, Vec<u64>>,
+    key: &K,
+    tag: u64,
+) {
+    if let Some(tags) = index.get_mut(key) {
+        if let Some(at) = tags.iter().position(|t| *t == tag) {
+            tags.remove(at);
+        }
+        if tags.is_empty() {
+            index.remove(key);
         }
     }
 }
@@ -101,6 +150,14 @@ impl<T> Confirms<T> {
     /// Records a publish; returns its delivery tag (1 for the first after `confirm.select`).
     pub fn published(&mut self, tag: T, key: MatchKey) -> u64 {
         let delivery_tag = self.base + self.slots.len() as u64;
+        match &key {
+            MatchKey::Lsn(lsn) => self.by_lsn.entry(*lsn).or_default().push(delivery_tag),
+            MatchKey::MessageId(id) => self
+                .by_id
+                .entry(id.as_str().to_owned())
+                .or_default()
+                .push(delivery_tag),
+        }
         self.slots.push_back(Some(Entry {
             tag,
             key,
@@ -142,17 +199,24 @@ impl<T> Confirms<T> {
         }
         let mut marked = 0;
         let mut matched = false;
-        for entry in self.slots.iter_mut().flatten() {
-            let hit = match &entry.key {
-                MatchKey::Lsn(lsn) => key.lsn == Some(*lsn),
-                MatchKey::MessageId(id) => key.message_id == Some(id.as_str()),
-            };
-            matched |= hit;
-            if hit && entry.returned.is_none() {
-                entry.returned = Some((reply_code, reply_text.to_owned()));
-                marked += 1;
-                if matches!(entry.key, MatchKey::Lsn(_)) {
-                    break;
+        // A publish keyed by its LSN is unique among unsettled ones: its first unmarked
+        // match is marked. Every unmarked publish sharing the message id is marked.
+        let by_lsn = key.lsn.and_then(|lsn| self.by_lsn.get(&lsn));
+        let by_id = key.message_id.and_then(|id| self.by_id.get(id));
+        let lsn_tags = by_lsn.map(Vec::as_slice).unwrap_or_default();
+        let id_tags = by_id.map(Vec::as_slice).unwrap_or_default();
+        for (tags, only_first) in [(lsn_tags, true), (id_tags, false)] {
+            for tag in tags {
+                let Some(Some(entry)) = self.slots.get_mut((tag - self.base) as usize) else {
+                    continue;
+                };
+                matched = true;
+                if entry.returned.is_none() {
+                    entry.returned = Some((reply_code, reply_text.to_owned()));
+                    marked += 1;
+                    if only_first {
+                        break;
+                    }
                 }
             }
         }
@@ -230,6 +294,8 @@ impl<T> Confirms<T> {
         }
         self.base += released;
         self.unsettled = 0;
+        self.by_lsn.clear();
+        self.by_id.clear();
     }
 
     fn settle(
@@ -253,9 +319,15 @@ impl<T> Confirms<T> {
         if multiple {
             // Tags below `base` are settled already; `ack(N, multiple)` may repeat them.
             if delivery_tag >= self.base {
-                for slot in self.slots.iter_mut().take(index + 1) {
+                for (i, slot) in self.slots.iter_mut().take(index + 1).enumerate() {
                     if let Some(entry) = slot.take() {
                         self.unsettled -= 1;
+                        forget(
+                            &mut self.by_lsn,
+                            &mut self.by_id,
+                            &entry.key,
+                            self.base + i as u64,
+                        );
                         out.push((entry.tag, outcome(entry.returned)));
                     }
                 }
@@ -269,6 +341,7 @@ impl<T> Confirms<T> {
                 return Err(unknown);
             };
             self.unsettled -= 1;
+            forget(&mut self.by_lsn, &mut self.by_id, &entry.key, delivery_tag);
             out.push((entry.tag, outcome(entry.returned)));
         }
         while matches!(self.slots.front(), Some(None)) {
@@ -440,5 +513,148 @@ mod tests {
             |(_, o)| matches!(o, PublishOutcome::Failed { error } if error == "socket closed")
         ));
         assert_eq!(c.unsettled(), 0);
+    }
+
+    /// The return index gives what a scan of the whole window gives, through any mix of
+    /// publishes (keys shared by message id), returns, acks and nacks (single and
+    /// multiple) and a failed connection; and it holds exactly the unsettled publishes.
+    mod index_model {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            PublishLsn(u64),
+            PublishId(u8),
+            ReturnLsn(u64),
+            ReturnId(u8),
+            Ack(u64, bool),
+            Nack(u64, bool),
+            FailAll,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0u64..40).prop_map(Op::PublishLsn),
+                4 => (0u8..4).prop_map(Op::PublishId),
+                2 => (0u64..40).prop_map(Op::ReturnLsn),
+                2 => (0u8..5).prop_map(Op::ReturnId),
+                3 => (0u64..30, any::<bool>()).prop_map(|(t, m)| Op::Ack(t, m)),
+                1 => (0u64..30, any::<bool>()).prop_map(|(t, m)| Op::Nack(t, m)),
+                1 => Just(Op::FailAll),
+            ]
+        }
+
+        /// The window as a plain list: (delivery tag, key, returned, settled).
+        #[derive(Default)]
+        struct Naive {
+            next: u64,
+            entries: Vec<(u64, MatchKey, bool, bool)>,
+        }
+
+        impl Naive {
+            fn returned(&mut self, key: ReturnedKey<'_>) -> Result<usize, ()> {
+                let (mut marked, mut matched) = (0, false);
+                // The LSN match first (unique), then every id match: as the index does.
+                for e in self.entries.iter_mut().filter(|e| !e.3) {
+                    if matches!(&e.1, MatchKey::Lsn(l) if key.lsn == Some(*l)) {
+                        matched = true;
+                        if !e.2 {
+                            e.2 = true;
+                            marked += 1;
+                            break;
+                        }
+                    }
+                }
+                for e in self.entries.iter_mut().filter(|e| !e.3) {
+                    if matches!(&e.1, MatchKey::MessageId(id) if key.message_id == Some(id.as_str()))
+                    {
+                        matched = true;
+                        if !e.2 {
+                            e.2 = true;
+                            marked += 1;
+                        }
+                    }
+                }
+                if matched {
+                    Ok(marked)
+                } else {
+                    Err(())
+                }
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn the_index_matches_a_scan(ops in proptest::collection::vec(op(), 1..120)) {
+                let mut c: Confirms<u64> = Confirms::default();
+                let mut naive = Naive { next: 1, ..Naive::default() };
+                for op in ops {
+                    match op {
+                        Op::PublishLsn(l) => {
+                            // Unique among unsettled publishes, as the publisher keeps it.
+                            if naive.entries.iter().any(|e| !e.3 && e.1 == MatchKey::Lsn(Lsn(l))) {
+                                continue;
+                            }
+                            let tag = c.published(naive.next, MatchKey::Lsn(Lsn(l)));
+                            prop_assert_eq!(tag, naive.next);
+                            naive.entries.push((tag, MatchKey::Lsn(Lsn(l)), false, false));
+                            naive.next += 1;
+                        }
+                        Op::PublishId(i) => {
+                            let key = MatchKey::MessageId(format!("id-{i}").into());
+                            let tag = c.published(naive.next, key.clone());
+                            naive.entries.push((tag, key, false, false));
+                            naive.next += 1;
+                        }
+                        Op::ReturnLsn(l) => {
+                            let key = ReturnedKey { lsn: Some(Lsn(l)), message_id: None };
+                            prop_assert_eq!(c.returned(key, 312, "NO_ROUTE").ok(), naive.returned(key).ok());
+                        }
+                        Op::ReturnId(i) => {
+                            let id = format!("id-{i}");
+                            let key = ReturnedKey { lsn: None, message_id: Some(id.as_str()) };
+                            prop_assert_eq!(c.returned(key, 312, "NO_ROUTE").ok(), naive.returned(key).ok());
+                        }
+                        Op::Ack(t, m) | Op::Nack(t, m) => {
+                            let ack = matches!(op, Op::Ack(..));
+                            let mut out = Vec::new();
+                            let r = if ack { c.ack(t, m, &mut out) } else { c.nack(t, m, &mut out) };
+                            let mut want = Vec::new();
+                            let known = naive.entries.iter().any(|e| e.0 == t && !e.3)
+                                || (m && t >= 1 && t < naive.next);
+                            if known {
+                                for e in naive.entries.iter_mut().filter(|e| !e.3 && (e.0 == t || (m && e.0 < t))) {
+                                    e.3 = true;
+                                    want.push((e.0, match (ack, e.2) {
+                                        (false, _) => "nacked",
+                                        (true, true) => "returned",
+                                        (true, false) => "routed",
+                                    }));
+                                }
+                            }
+                            prop_assert_eq!(r.is_ok(), known, "{:?}", r);
+                            let got: Vec<(u64, &str)> = out.iter().map(|(tag, o)| (*tag, match o {
+                                PublishOutcome::Nacked => "nacked",
+                                PublishOutcome::Returned { .. } => "returned",
+                                PublishOutcome::Routed => "routed",
+                                _ => "other",
+                            })).collect();
+                            prop_assert_eq!(got, want);
+                        }
+                        Op::FailAll => {
+                            let mut out = Vec::new();
+                            c.fail_all("lost", &mut out);
+                            for e in naive.entries.iter_mut() {
+                                e.3 = true;
+                            }
+                        }
+                    }
+                    let indexed: usize = c.by_lsn.values().chain(c.by_id.values()).map(Vec::len).sum();
+                    prop_assert_eq!(indexed, c.unsettled());
+                    prop_assert_eq!(c.unsettled(), naive.entries.iter().filter(|e| !e.3).count());
+                }
+            }
+        }
     }
 }

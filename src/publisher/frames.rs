@@ -54,10 +54,14 @@ impl<T> Publisher<T> {
             // its replies, a refusal's channel.close included, concern nothing else.
             AMQPFrame::Method(DECLARE_CHANNEL, method) => self.on_declare_channel(method),
             AMQPFrame::Method(channel, AMQPClass::Basic(method)) => self.on_basic(channel, method),
-            AMQPFrame::Header(_, header) => {
+            AMQPFrame::Header(CHANNEL, header) => {
                 self.on_content_header(header.body_size, &header.properties)
             }
-            AMQPFrame::Body(_, part) => self.on_content_body(part.len() as u64),
+            AMQPFrame::Body(CHANNEL, part) => self.on_content_body(part.len() as u64),
+            AMQPFrame::Header(channel, _) => {
+                self.violate(wrong_channel("a content header", channel))
+            }
+            AMQPFrame::Body(channel, _) => self.violate(wrong_channel("a content body", channel)),
             AMQPFrame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
                 let ok = AMQPFrame::Method(
                     CHANNEL,
@@ -106,6 +110,16 @@ impl<T> Publisher<T> {
     /// `basic.ack`, `basic.nack` (settled by [`super::confirms`]) and `basic.return` (its
     /// header and body follow).
     fn on_basic(&mut self, channel: u16, method: basic::AMQPMethod) {
+        if channel != CHANNEL {
+            let what = match method {
+                basic::AMQPMethod::Ack(_) => "basic.ack",
+                basic::AMQPMethod::Nack(_) => "basic.nack",
+                basic::AMQPMethod::Return(_) => "basic.return",
+                _ => "a basic method",
+            };
+            self.violate(wrong_channel(what, channel));
+            return;
+        }
         let settled = match method {
             basic::AMQPMethod::Ack(ack) => {
                 self.confirms
@@ -228,6 +242,15 @@ impl<T> Publisher<T> {
         self.ready.clear();
         self.signals.lost.store(true, Ordering::Relaxed);
         self.state = State::Violated(violation.to_string());
+    }
+}
+
+/// A frame of the settling protocol on a channel other than the publishing one.
+fn wrong_channel(what: &'static str, channel: u16) -> Violation {
+    Violation::WrongChannel {
+        what,
+        channel,
+        expected: CHANNEL,
     }
 }
 

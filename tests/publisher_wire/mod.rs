@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use amq_protocol::frame::AMQPFrame;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{connection, AMQPClass};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
@@ -17,8 +18,8 @@ use pgoutbox::publisher::{
 };
 
 use crate::support::fake_broker::{
-    ack, encode_frames, return_frames, FakeBroker, FakeConfig, ReceivedPublish, ReturnContent,
-    Script, LSN_HEADER,
+    ack, encode_frames, nack, return_frames, FakeBroker, FakeConfig, ReceivedPublish,
+    ReturnContent, Script, LSN_HEADER,
 };
 use crate::support::scaled;
 
@@ -680,6 +681,46 @@ async fn an_ack_of_an_unknown_or_settled_tag_is_a_protocol_error() {
         "{e:?}"
     );
     assert_settles_nothing_more(&fake, &mut p).await;
+}
+
+/// An ack, a nack or a return on a channel pgoutbox never published on carries delivery
+/// tags that are not ours: `Err(Error::Protocol)` naming the channel, and nothing settles
+/// (not even the publish whose tag it names on channel 1).
+#[tokio::test]
+async fn settling_frames_on_another_channel_are_a_protocol_error() {
+    let on = |channel: u16, frame: AMQPFrame| match frame {
+        AMQPFrame::Method(_, class) => AMQPFrame::Method(channel, class),
+        AMQPFrame::Header(_, h) => AMQPFrame::Header(channel, h),
+        AMQPFrame::Body(_, b) => AMQPFrame::Body(channel, b),
+        other => other,
+    };
+    for (case, what) in [(0, "basic.ack"), (1, "basic.nack"), (2, "basic.return")] {
+        let (fake, mut p) = connect(FakeConfig::default()).await;
+        let sent = publish_all(&fake, &mut p, 1..=2).await;
+        let frames: Vec<AMQPFrame> = match case {
+            0 => vec![on(3, ack(1, false))],
+            1 => vec![on(7, nack(2, true))],
+            _ => return_frames(
+                &sent[0],
+                312,
+                "NO_ROUTE",
+                ReturnContent::AsPublished,
+                fake.config().frame_max,
+            )
+            .into_iter()
+            .map(|f| on(9, f))
+            .collect(),
+        };
+        fake.send_frames(&frames).await;
+        let (got, e) = collect_until_err(&mut p, scaled(WAIT)).await;
+        assert_eq!(got, Vec::new(), "{what}: nothing may settle");
+        assert!(
+            matches!(&e, Error::Protocol(text) if text.contains(what) && text.contains("channel")),
+            "{what}: {e:?}"
+        );
+        fake.send_ack(2, true).await;
+        assert_settles_nothing_more(&fake, &mut p).await;
+    }
 }
 
 /// `channel.close` 406 with four publishes out, #1 acked and #3 returned but not acked:
