@@ -723,6 +723,33 @@ async fn settling_frames_on_another_channel_are_a_protocol_error() {
     }
 }
 
+/// `Publisher::close` ends at the broker's `connection.close-ok`, not at its EOF: RabbitMQ
+/// keeps the socket open for the client to close, and waiting for the EOF cost every
+/// SIGTERM of `run` the whole close bound (issue 21 item 14: 2.0 s between "draining
+/// confirms" and "stopped"). The fake here keeps the socket open after close-ok.
+#[tokio::test]
+async fn close_ends_at_close_ok_while_the_broker_keeps_the_socket_open() {
+    let (fake, mut p) = connect(FakeConfig {
+        keep_socket_after_close_ok: true,
+        ..FakeConfig::default()
+    })
+    .await;
+    publish_all(&fake, &mut p, 1..=1).await;
+    fake.send_ack(1, false).await;
+    assert_eq!(collect(&mut p, 1).await, vec![(1, PublishOutcome::Routed)]);
+    let closed = tokio::time::timeout(scaled(WAIT) * 4, p.close()).await;
+    assert!(
+        closed.is_ok(),
+        "close() still waiting for EOF {:?} after the broker's close-ok",
+        scaled(WAIT) * 4
+    );
+    fake.wait_method("connection.close", |m| {
+        matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_)))
+    })
+    .await;
+    assert_no_violations(&fake);
+}
+
 /// `channel.close` 406 with four publishes out, #1 acked and #3 returned but not acked:
 /// #2, #3 and #4 fail with the broker's text, the publisher answers `channel.close-ok`, and
 /// later calls return `Error::Lost`.

@@ -93,6 +93,10 @@ pub struct FakeConfig {
     pub heartbeat: u16,
     /// The handshake's outcome.
     pub script: Script,
+    /// After answering the client's `connection.close` with `close-ok`, keep the socket
+    /// open until the client closes it (as RabbitMQ does: the peer that sent `close`
+    /// closes the socket, AMQP 0-9-1 4.2.3). Off: the fake closes it at once.
+    pub keep_socket_after_close_ok: bool,
 }
 
 impl Default for FakeConfig {
@@ -102,6 +106,7 @@ impl Default for FakeConfig {
             frame_max: 131_072,
             heartbeat: 0,
             script: Script::Accept,
+            keep_socket_after_close_ok: false,
         }
     }
 }
@@ -1000,7 +1005,11 @@ impl Conn {
                                 AMQPClass::Connection(C::CloseOk(connection::CloseOk {})),
                             )])
                             .await;
-                        Next::Close
+                        if self.config.keep_socket_after_close_ok {
+                            Next::Continue
+                        } else {
+                            Next::Close
+                        }
                     }
                     AMQPClass::Connection(C::CloseOk(ok)) => {
                         self.record(ch, AMQPClass::Connection(C::CloseOk(ok)));
