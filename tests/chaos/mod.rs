@@ -140,11 +140,8 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
     let streamer_args: Vec<String> = vec![
         "run".into(),
         "--database-url".into(),
-        format!(
-            "postgres://postgres@127.0.0.1:{}/{}",
-            pg_proxy.port(),
-            ob.db
-        ),
+        // The least-privilege role through the proxy: chaos streams as a deployment would.
+        ob.streamer_url_via(pg_proxy.port()),
         "--amqp-url".into(),
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", amqp_proxy.port()),
         "--slot".into(),
@@ -292,6 +289,13 @@ async fn chaos_rounds_lose_nothing_and_invent_nothing() {
             ob.confirmed_flush(),
             streamer.log()
         );
+        // Every session after a fault (a new process, a reconnect through the proxy, after a
+        // restart of Postgres) connects as the streamer role again.
+        ob.assert_streams_as_streamer(
+            scaled(Duration::from_secs(60)),
+            &format!("chaos round {round} after {fault:?}"),
+        )
+        .await;
         *recovered.entry(*fault).or_default() += 1;
     }
     stop.store(true, Ordering::SeqCst);

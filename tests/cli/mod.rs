@@ -17,12 +17,12 @@ fn outcome(out: &Output) -> (Option<i32>, String) {
     (out.status.code(), stderr(out))
 }
 
-/// Starts `run` on this outbox through [`bin`], with extra arguments.
+/// Starts `run` on this outbox through [`bin`], with extra arguments, as the streamer role.
 fn run(ob: &Outbox<'_>, extra: &[&str]) -> Streamer {
     let mut args = vec![
         "run".to_string(),
         "--database-url".into(),
-        ob.url(),
+        ob.streamer_url(),
         "--amqp-url".into(),
         ob.amqp_url.clone(),
         "--slot".into(),
@@ -212,7 +212,7 @@ async fn options_are_read_from_environment_variables() {
 
     // `run` configured by nothing but variables.
     let vars = [
-        ("PGOUTBOX_DATABASE_URL", ob.url()),
+        ("PGOUTBOX_DATABASE_URL", ob.streamer_url()),
         ("PGOUTBOX_AMQP_URL", ob.amqp_url.clone()),
         ("PGOUTBOX_SLOT", ob.slot.clone()),
         ("PGOUTBOX_PUBLICATION", ob.publication.clone()),

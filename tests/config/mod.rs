@@ -50,7 +50,7 @@ async fn run_takes_the_file_below_env_and_flags() {
          exchange = \"{}\"\n\
          max_in_flight = 111\n\
          max_in_flight_bytes = 2222\n",
-        ob.url(),
+        ob.streamer_url(),
         ob.amqp_url,
         ob.slot,
         ob.publication,

@@ -220,7 +220,7 @@ async fn broker_authentication_failures_make_run_exit() {
             &[
                 "run",
                 "--database-url",
-                &ob.url(),
+                &ob.streamer_url(),
                 "--amqp-url",
                 &amqp_url,
                 "--slot",
@@ -343,7 +343,7 @@ async fn broker_connect_timeout_is_not_called_a_lost_connection() {
         &[
             "run",
             "--database-url",
-            &ob.url(),
+            &ob.streamer_url(),
             "--amqp-url",
             &format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
             "--slot",

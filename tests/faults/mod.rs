@@ -136,11 +136,8 @@ async fn postgres_restart_and_cut_connections_are_survived() {
     let pg_proxy = Proxy::start(pg.port());
     let amqp_proxy = Proxy::start(rmq.port());
     let ob = Outbox::new(&pg, &rmq.url(), "faults_pg").await;
-    let via_proxy = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        pg_proxy.port(),
-        ob.db
-    );
+    // The least-privilege role, through the proxy that cuts its connections.
+    let via_proxy = ob.streamer_url_via(pg_proxy.port());
     let amqp_via_proxy = format!("amqp://guest:guest@127.0.0.1:{}/%2f", amqp_proxy.port());
     let mut args: Vec<String> = vec![
         "run".into(),
@@ -188,18 +185,23 @@ async fn postgres_restart_and_cut_connections_are_survived() {
             );
         }
     };
+    let as_streamer =
+        |what: &'static str| ob.assert_streams_as_streamer(scaled(Duration::from_secs(60)), what);
     sessions(1).await;
     wait_more(200).await;
+    as_streamer("first session").await;
     amqp_proxy.cut();
     sessions(2).await;
     wait_more(200).await;
     pg_proxy.cut();
     sessions(3).await;
     wait_more(200).await;
+    as_streamer("after the Postgres connections were cut").await;
     pg.stop_fast();
     pg.start();
     sessions(4).await;
     wait_more(300).await;
+    as_streamer("after Postgres restarted").await;
     stop.store(true, Ordering::SeqCst);
     let committed = producer.await.unwrap();
     // An emit whose commit reply was lost in the restart may still arrive; every emit

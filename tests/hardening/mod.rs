@@ -520,7 +520,7 @@ async fn signals_end_every_wait_promptly() {
     let port = silent.local_addr().unwrap().port();
     let mut args: Vec<String> = vec!["run".into()];
     for (k, v) in [
-        ("--database-url", ob.url()),
+        ("--database-url", ob.streamer_url()),
         (
             "--amqp-url",
             format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),

@@ -116,11 +116,7 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
     let rmq = RabbitMq::start_private();
     let pg_proxy = Proxy::start(pg.port());
     let ob = Outbox::new(pg, &rmq.url(), "life_pg_loss").await;
-    let via_proxy = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        pg_proxy.port(),
-        ob.db
-    );
+    let via_proxy = ob.streamer_url_via(pg_proxy.port());
     // A generous collection window: the drain ends as soon as nothing is unconfirmed, and
     // on a loaded machine unblocking the broker alone can take longer than the default 5 s.
     let streamer = ob.run_with_url(&via_proxy, &["--postgres-loss-drain-ms", "60000"]);
@@ -165,6 +161,8 @@ async fn confirms_collected_after_postgres_went_away_are_not_sent_again() {
         "a new session starts:\n{}",
         streamer.log()
     );
+    ob.assert_streams_as_streamer(scaled(Duration::from_secs(30)), "after the loss")
+        .await;
     let last = ob.emit("l", "after");
     assert!(
         ob.flushed_past(last, scaled(Duration::from_secs(30))).await,
@@ -276,7 +274,7 @@ async fn json_exit_reports_are_one_object() {
             "--log-format".into(),
             "json".into(),
             "--database-url".into(),
-            ob.url(),
+            ob.streamer_url(),
             "--slot".into(),
             ob.slot.clone(),
             "--publication".into(),
@@ -318,10 +316,15 @@ async fn log_of_a_run_with_secrets(extra: &[&str]) -> String {
     let amqp_user = support::unique("secret_user");
     let marker = format!("PayloadMarker{tag}w9E");
     // pw_cleartext authenticates with a cleartext password (the password travels on the
-    // wire); make it a superuser in this private cluster so `run` may write dead letters.
+    // wire; the streamer role has none); in this private cluster it becomes a member of the
+    // streamer role, so `run` has that role's grants (dead letters included) and no more.
     pg.psql(
         "postgres",
-        &format!("ALTER ROLE pw_cleartext SUPERUSER PASSWORD '{pg_password}'"),
+        &format!(
+            "ALTER ROLE pw_cleartext PASSWORD '{pg_password}'; \
+             GRANT {} TO pw_cleartext",
+            support::fixture::STREAMER_ROLE
+        ),
     );
     rmq.ctl_ok(&["add_user", &amqp_user, &amqp_password]);
     rmq.ctl_ok(&["set_permissions", "-p", "/", &amqp_user, ".*", ".*", ".*"]);

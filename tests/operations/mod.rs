@@ -67,7 +67,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "ops_badrun").await;
     let amqp = ob.amqp_url.clone();
-    let url = ob.url();
+    let url = ob.streamer_url();
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec![
@@ -189,9 +189,10 @@ async fn streams_with_scram_md5_cleartext_and_a_unix_socket() {
          GRANT SELECT, INSERT, UPDATE ON outbox.stream_state TO pw_scram, pw_md5, pw_cleartext;",
     );
     let socket = format!(
-        "host={} port={} user=postgres dbname={}",
+        "host={} port={} user={} dbname={}",
         pg.socket_dir().display(),
         pg.port(),
+        support::fixture::STREAMER_ROLE,
         ob.db
     );
     let variants = [

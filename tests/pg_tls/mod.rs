@@ -11,10 +11,12 @@ use std::time::{Duration, Instant};
 use pgoutbox::config::parse_database_url;
 use pgoutbox::replication::connect::ReplicationConnection;
 
+use crate::support::fixture::STREAMER_ROLE;
 use crate::support::{scaled, Outbox, Postgres, RabbitMq, TlsPostgres};
 
-/// An outbox on the TLS cluster: its database, `setup` run through the binary with `url`
-/// (which must point at that database), the queue declared on the shared broker.
+/// An outbox on the TLS cluster: its database, `setup --create-roles` run through the binary
+/// with `url` (which must point at that database; a superuser's), the queue declared on the
+/// shared broker.
 async fn outbox<'a>(tls: &'a TlsPostgres, name: &str, db: String, url: &str) -> Outbox<'a> {
     let ob = Outbox {
         pg: &tls.pg,
@@ -27,6 +29,7 @@ async fn outbox<'a>(tls: &'a TlsPostgres, name: &str, db: String, url: &str) -> 
     };
     let out = pgoutbox(&[
         "setup",
+        "--create-roles",
         "--database-url",
         url,
         "--slot",
@@ -37,6 +40,17 @@ async fn outbox<'a>(tls: &'a TlsPostgres, name: &str, db: String, url: &str) -> 
     assert_eq!(out.0, Some(0), "setup over {url}: {}", out.1);
     crate::support::declare_bound_queue(&ob.amqp_url, &ob.exchange, &ob.queue, "#").await;
     ob
+}
+
+/// `url` (a superuser's, from [`TlsPostgres::url`]) as the streamer role: what `run` gets.
+fn as_streamer(url: &str) -> String {
+    let streamer = url.replacen(
+        "postgres://postgres@",
+        &format!("postgres://{STREAMER_ROLE}@"),
+        1,
+    );
+    assert_ne!(streamer, url, "not a superuser's URL: {url}");
+    streamer
 }
 
 /// Runs the binary to completion: (exit code, stdout and stderr).
@@ -107,7 +121,7 @@ async fn setup_run_and_status_over_tls_in_each_verifying_mode_and_prefer() {
         ]);
         assert_eq!(code, Some(0), "setup with sslmode={mode}: {text}");
         let instance = format!("pgtls-{}", mode.replace('-', ""));
-        let streamer = ob.run_with_url(url, &["--instance-id", &instance]);
+        let streamer = ob.run_with_url(&as_streamer(url), &["--instance-id", &instance]);
         ob.sql(&format!(
             "DO $$ BEGIN FOR i IN {}..{} LOOP PERFORM outbox.emit('pgtls.' || i, jsonb_build_object('n', i), '{{}}', 'pgtls-' || i); COMMIT; END LOOP; END $$",
             sent + 1,
@@ -120,6 +134,8 @@ async fn setup_run_and_status_over_tls_in_each_verifying_mode_and_prefer() {
             .collect();
         assert_eq!(ids, want, "sslmode={mode}:\n{}", streamer.log());
         sent += 20;
+        ob.assert_streams_as_streamer(scaled(Duration::from_secs(10)), &format!("sslmode={mode}"))
+            .await;
 
         // Both connections are TLS: the walsender (joined by pid with pg_stat_replication)
         // and the SQL sessions.
@@ -223,7 +239,7 @@ async fn a_wrong_name_a_wrong_ca_and_plaintext_are_refused_at_once_with_the_fix(
         assert!(text.contains(want), "{url}: {text}");
         // run stops at once: a definite error, not a retry loop.
         let started = Instant::now();
-        let streamer = ob.run_with_url(url, &["--instance-id", "pgtls-refused"]);
+        let streamer = ob.run_with_url(&as_streamer(url), &["--instance-id", "pgtls-refused"]);
         let exit = streamer.wait_exit(scaled(Duration::from_secs(15))).await;
         let log = streamer.log();
         assert!(

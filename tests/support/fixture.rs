@@ -92,6 +92,76 @@ impl<'a> Outbox<'a> {
         self.pg.url_as(STREAMER_ROLE, "", &self.db)
     }
 
+    /// The database URL of [`STREAMER_ROLE`] through another port on 127.0.0.1 than the
+    /// cluster's: a [`super::Proxy`] in front of it, which a test cuts or stalls.
+    pub fn streamer_url_via(&self, port: u16) -> String {
+        let mut u = url::Url::parse(&self.streamer_url()).expect("streamer URL");
+        u.set_port(Some(port)).expect("a port");
+        u.to_string()
+    }
+
+    /// The sessions `run` holds for this outbox, once a walsender holds the slot (waiting up
+    /// to `timeout`; whatever was there at the end when none did): the session holding the
+    /// slot first, then every other session of this database named `pgoutbox-…` (the
+    /// `application_name` `run` gives its sessions).
+    pub async fn run_sessions(&self, timeout: Duration) -> Vec<RunSession> {
+        let query = format!(
+            "SELECT a.usename, a.backend_type, coalesce(a.application_name, ''), \
+                    coalesce(a.pid = s.active_pid, false) AS holds \
+             FROM pg_stat_activity a LEFT JOIN pg_replication_slots s ON s.slot_name = '{}' \
+             WHERE a.pid = s.active_pid \
+                OR (a.datname = current_database() AND starts_with(a.application_name, 'pgoutbox-')) \
+             ORDER BY holds DESC, a.pid",
+            self.slot
+        );
+        let mut sessions = Vec::new();
+        super::wait_until(timeout, || {
+            sessions = self
+                .sql(&query)
+                .lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split('|').collect();
+                    let [role, backend_type, application_name, holds] = f[..] else {
+                        return None;
+                    };
+                    Some(RunSession {
+                        role: role.to_owned(),
+                        backend_type: backend_type.to_owned(),
+                        application_name: application_name.to_owned(),
+                        holds_slot: holds == "t",
+                    })
+                })
+                .collect();
+            let held = sessions.first().is_some_and(|s| s.holds_slot);
+            async move { held }
+        })
+        .await;
+        sessions
+    }
+
+    /// Asserts that `run` streams this outbox as the least-privilege [`STREAMER_ROLE`], not
+    /// as the superuser: the session holding the slot (a walsender), and every other session
+    /// of `run` in the database, connected as that role (`pg_stat_activity.usename`). Waits
+    /// up to `timeout` for a walsender to hold the slot; `what` names the moment.
+    ///
+    /// `run`'s SQL sessions carry no `application_name` yet, so today the walsender is what
+    /// this sees; they connect with the same `--database-url`, so as the same role.
+    pub async fn assert_streams_as_streamer(&self, timeout: Duration, what: &str) {
+        let sessions = self.run_sessions(timeout).await;
+        assert!(
+            sessions
+                .first()
+                .is_some_and(|s| s.holds_slot && s.backend_type == "walsender"),
+            "{what}: no walsender held slot {} within {timeout:?}: {sessions:?}",
+            self.slot
+        );
+        assert!(
+            sessions.iter().all(|s| s.role == STREAMER_ROLE),
+            "{what}: run must connect as {STREAMER_ROLE}, not as the superuser: {sessions:?}"
+        );
+        eprintln!("{what}: run streams as {STREAMER_ROLE}: {sessions:?}");
+    }
+
     /// Starts `pgoutbox run` with this outbox's names plus `extra` arguments, connected as
     /// the least-privilege [`STREAMER_ROLE`].
     pub fn run(&self, extra: &[&str]) -> Streamer {
@@ -207,4 +277,17 @@ impl<'a> Outbox<'a> {
 pub fn lsn(text: &str) -> u64 {
     let (hi, lo) = text.trim().split_once('/').expect("X/Y");
     (u64::from_str_radix(hi, 16).expect("hex") << 32) | u64::from_str_radix(lo, 16).expect("hex")
+}
+
+/// One session of `run` in `pg_stat_activity` ([`Outbox::run_sessions`]).
+#[derive(Debug, Clone)]
+pub struct RunSession {
+    /// `usename`: the role the session connected as.
+    pub role: String,
+    /// `backend_type` (`walsender` for the replication connection).
+    pub backend_type: String,
+    /// `application_name` (`pgoutbox-<instance id>` for `run`'s sessions).
+    pub application_name: String,
+    /// Whether this session is the slot's `active_pid`.
+    pub holds_slot: bool,
 }

@@ -94,7 +94,13 @@ impl TlsPostgres {
     /// `postgres://postgres@HOST:PORT/db?QUERY` (superuser, trust over TLS); `host` is
     /// `127.0.0.1` or `localhost` (both in the certificate), or another name to connect by.
     pub fn url(&self, host: &str, db: &str, query: &str) -> String {
-        format!("postgres://postgres@{host}:{}/{db}?{query}", self.pg.port())
+        self.url_as("postgres", host, db, query)
+    }
+
+    /// Like [`TlsPostgres::url`] as `user` (trust over TLS for every role but `pw_scram`),
+    /// e.g. the streamer role [`super::fixture::STREAMER_ROLE`].
+    pub fn url_as(&self, user: &str, host: &str, db: &str, query: &str) -> String {
+        format!("postgres://{user}@{host}:{}/{db}?{query}", self.pg.port())
     }
 
     /// `sslrootcert=` for the CA that signed the server's certificate.

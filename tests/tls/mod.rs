@@ -277,7 +277,7 @@ async fn the_tls_files_can_be_flags_and_a_conflict_with_the_url_names_both() {
         &[
             "run",
             "--database-url",
-            &ob.url(),
+            &ob.streamer_url(),
             "--amqp-url",
             &url,
             "--amqp-ca-file",
