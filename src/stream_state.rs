@@ -254,7 +254,7 @@ pub enum ResumeDropped {
     /// The database's record is behind what this process recorded: the database went back
     /// in time (restored, or a standby that had not replayed it).
     RecordBehind {
-        /// What the database holds now.
+        /// What the database holds now (`0/0`: no row for the slot).
         record: Lsn,
         /// What this process wrote.
         recorded: Lsn,
@@ -286,7 +286,10 @@ pub fn resume_position(
                 now: identity.timeline,
             });
         }
-        if let Some(record) = record.filter(|r| *r < seen.recorded) {
+        // No row at all is behind too: the database went back to before this process's
+        // first record (restored from an older backup), or the row was deleted.
+        let record = record.unwrap_or(Lsn::ZERO);
+        if record < seen.recorded {
             return Err(ResumeDropped::RecordBehind {
                 record,
                 recorded: seen.recorded,
@@ -884,10 +887,19 @@ mod tests {
                 Some(Lsn(0x500)),
                 Some(&seen),
                 &identity("7", 1, 0x300),
-                None
+                Some(Lsn(0x500))
             ),
             Err(ResumeDropped::WalBehind {
                 xlogpos: Lsn(0x300)
+            })
+        );
+        // A database without the slot's row (restored from before the first record, or the
+        // row deleted) is behind what this process recorded.
+        assert_eq!(
+            resume_position(Some(Lsn(0x500)), Some(&seen), &same, None),
+            Err(ResumeDropped::RecordBehind {
+                record: Lsn::ZERO,
+                recorded: Lsn(0x500)
             })
         );
         // ... and once its WAL grew past that again, its older record still tells.

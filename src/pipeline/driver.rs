@@ -326,7 +326,25 @@ impl Sessions<'_> {
             timeline: ended.identity.timeline,
             recorded: ended.recorded.get(),
         });
-        memory.resume = Some(core.flushed());
+        // From the record, not the watermark, when the watermark is ahead of it (the
+        // record's slack, confirms collected after PostgreSQL went away): a database
+        // restored meanwhile may hold other transactions in that range. What this process
+        // settled there is remembered and not sent again ([`super::delivered`]).
+        let flushed = core.flushed();
+        memory.resume = Some(
+            memory
+                .seen
+                .as_ref()
+                .map_or(flushed, |seen| flushed.min(seen.recorded)),
+        );
+        memory.delivered = core.take_delivered();
+        if !memory.delivered.is_empty() {
+            tracing::debug!(
+                resume_lsn = %memory.resume.unwrap_or_default(),
+                settled_above = memory.delivered.len(),
+                "the next session resumes from the recorded flush LSN; the messages settled above it are not sent again"
+            );
+        }
         memory.unsettled_at_end = core.unsettled();
         if let Some(limit) = core.broker_limit() {
             memory.broker_limit = Some(limit);
@@ -344,10 +362,10 @@ impl Sessions<'_> {
     fn core(
         &self,
         c: Connected,
-        memory: &SessionMemory,
+        memory: &mut SessionMemory,
         summary: &mut RunSummary,
     ) -> (Core, Box<dyn Sink>, Ended) {
-        let core = Core::new(
+        let mut core = Core::new(
             self.config.clone(),
             c.stream,
             c.dead_letters,
@@ -362,6 +380,7 @@ impl Sessions<'_> {
             c.prefix,
             self.journal.clone(),
         );
+        core.set_delivered(std::mem::take(&mut memory.delivered));
         let ended = Ended {
             node: c.node,
             identity: c.identity,
@@ -402,6 +421,7 @@ fn log_stopped(summary: &RunSummary) {
         confirmed = summary.confirmed,
         dead_lettered = summary.dead_lettered,
         reconnects = summary.reconnects,
+        not_resent = summary.not_resent,
         flushed_lsn = %summary.flushed,
         "stopped; every message was settled (published counts every attempt, including retries and re-sends after reconnects)"
     );

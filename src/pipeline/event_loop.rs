@@ -182,8 +182,10 @@ impl Core {
     /// Reports this turn to the metrics (counters, gauges, latencies, the stall clock and
     /// the heartbeat): a few relaxed atomic stores, once per turn, never per message.
     fn report_turn(&mut self, sink: &dyn Sink) {
-        // Once per turn: ask the recorder to record where the watermark is now.
+        // Once per turn: ask the recorder to record where the watermark is now, and forget
+        // the settled messages the record passed.
         self.status.want(self.settling.wm().flushed());
+        self.settling.recorded(self.status.recorded());
         if let Some(at) = self.settling.stall_turn(Instant::now()) {
             self.telemetry.progress_at(at.into_std());
         }
@@ -242,6 +244,17 @@ impl Core {
     /// What closes of the publishing channel taught (perhaps in this session).
     pub fn refusals(&self) -> Refusals {
         self.admission.refusals().clone()
+    }
+
+    /// Hands over what an earlier session settled above the record (see
+    /// [`super::delivered`]).
+    pub fn set_delivered(&mut self, delivered: super::delivered::Delivered) {
+        self.settling.set_delivered(delivered);
+    }
+
+    /// What this session and the earlier ones settled above the record, for the next.
+    pub fn take_delivered(&mut self) -> super::delivered::Delivered {
+        self.settling.take_delivered()
     }
 
     /// The stream, the writer and the summary (with the last flush LSN reported).
@@ -731,6 +744,14 @@ impl Core {
     /// without publishing.
     fn on_outbox_message(&mut self, m: Message, sink: &mut dyn Sink) -> Result<(), Error> {
         let place = self.txn.place(m.transactional);
+        // Read again because the session resumed from the record, below what an earlier
+        // session of this process settled: the same position and content, so the same
+        // message, acknowledged without being sent again ([`super::delivered`]).
+        if place.is_some() && self.settling.already_settled(m.lsn, &m.content) {
+            tracing::debug!(lsn = %m.lsn, "settled before the reconnect; not sent again");
+            self.summary.not_resent += 1;
+            return Ok(());
+        }
         match (
             self.admission.admit(m.lsn, &m.content, place.as_ref()),
             place,

@@ -50,6 +50,7 @@
 
 mod admission;
 mod dead_letter;
+mod delivered;
 pub mod driver;
 mod event_loop;
 mod feedback;
@@ -91,4 +92,7 @@ pub struct RunSummary {
     pub dead_lettered: u64,
     /// Sessions restarted after a retryable failure.
     pub reconnects: u64,
+    /// Messages read again after a reconnect (the session resumed from the recorded flush
+    /// LSN) that an earlier session had settled: acknowledged, not sent again.
+    pub not_resent: u64,
 }

@@ -59,6 +59,9 @@ pub(super) struct SessionMemory {
     pub streaming_since: Option<tokio::time::Instant>,
     /// The broker's nodes and which one the next session tries first.
     pub nodes: BrokerNodes,
+    /// What this process settled above the recorded flush LSN: the next session resumes
+    /// from the record and does not send those again ([`super::delivered`]).
+    pub delivered: super::delivered::Delivered,
     /// The LSN of the last frame that failed to decode, and how many sessions in a row
     /// failed there.
     decode_failures: Option<(Lsn, u32)>,

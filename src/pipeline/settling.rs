@@ -27,6 +27,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::dead_letter::{DeadLetterWriter, Job, Written};
+use super::delivered::Delivered;
 use super::feedback::StallWatch;
 use super::in_flight::{InFlight, InFlightTable};
 use super::journal::JournalHandle;
@@ -89,6 +90,8 @@ pub(super) struct Settling {
     latency: LatencyBatch,
     rules: SettlingRules,
     telemetry: Arc<Telemetry>,
+    /// What this process settled above the recorded flush LSN ([`super::delivered`]).
+    delivered: Delivered,
 }
 
 impl Settling {
@@ -111,7 +114,31 @@ impl Settling {
             latency: LatencyBatch::default(),
             rules,
             telemetry,
+            delivered: Delivered::default(),
         }
+    }
+
+    /// What earlier sessions of this process settled above the record: consulted by
+    /// [`Settling::already_settled`], and handed on by [`Settling::take_delivered`].
+    pub fn set_delivered(&mut self, delivered: Delivered) {
+        self.delivered = delivered;
+    }
+
+    /// What this process settled above the record, for the next session.
+    pub fn take_delivered(&mut self) -> Delivered {
+        std::mem::take(&mut self.delivered)
+    }
+
+    /// Whether the message at `lsn` with `content` was settled by an earlier session of
+    /// this process (a session resumes from the record, which may lie below it): it is
+    /// acknowledged without being published again.
+    pub fn already_settled(&self, lsn: Lsn, content: &[u8]) -> bool {
+        self.delivered.already_settled(lsn, content)
+    }
+
+    /// The record reached `recorded`: forgets the settled messages at or below it.
+    pub fn recorded(&mut self, recorded: Lsn) {
+        self.delivered.prune(recorded);
     }
 
     /// The watermark (read only: every change goes through this module).
@@ -274,6 +301,7 @@ impl Settling {
     fn routed(&mut self, seq: Seq, now_us: i64, summary: &mut RunSummary) -> Result<(), Error> {
         let m = self.take(seq)?;
         self.settle(m.txn, m.bytes())?;
+        self.delivered.note(m.lsn, &m.content);
         // After the settle: the journal never holds back acknowledgement.
         self.journal.record(&m, now_us);
         summary.confirmed += 1;
@@ -459,6 +487,8 @@ impl Settling {
         );
         summary.dead_lettered += 1;
         self.telemetry.dead_lettered(job.reason);
-        self.settle(job.txn, job.bytes)
+        self.settle(job.txn, job.bytes)?;
+        self.delivered.note(job.lsn, &job.envelope);
+        Ok(())
     }
 }

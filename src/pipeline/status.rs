@@ -69,6 +69,11 @@ impl Status {
         self.gate.note_commit(end_lsn);
     }
 
+    /// What `outbox.stream_state` holds now (the recorder committed it).
+    pub fn recorded(&self) -> Lsn {
+        self.gate.allowed()
+    }
+
     /// The flush LSN of the last update sent.
     pub fn last_sent_flush(&self) -> Lsn {
         self.feedback.last_sent_flush()

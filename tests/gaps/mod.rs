@@ -247,3 +247,164 @@ async fn a_data_directory_restored_under_a_running_streamer_loses_nothing() {
     streamer.sigterm();
     streamer.wait_exit(scaled(Duration::from_secs(30))).await;
 }
+
+/// Emits `n` messages with ids `{prefix}-1` .. `{prefix}-n`, each in its own transaction
+/// (a DO block committing after each: one psql command with several statements is one
+/// transaction).
+fn emit_each_committed(ob: &Outbox<'_>, prefix: &str, n: usize) {
+    ob.sql(&format!(
+        "DO $$ BEGIN FOR i IN 1..{n} LOOP \
+           PERFORM outbox.emit('gap.t', jsonb_build_object('i', i), '{{}}', '{prefix}-' || i); \
+           COMMIT; \
+         END LOOP; END $$"
+    ));
+}
+
+/// The pids of a running cluster: the postmaster (first line of `postmaster.pid`) and its
+/// children.
+fn cluster_pids(pg: &Postgres) -> (String, Vec<String>) {
+    let pidfile = std::fs::read_to_string(pg.data_dir().join("postmaster.pid")).expect("pid");
+    let postmaster = pidfile
+        .lines()
+        .next()
+        .expect("postmaster pid")
+        .trim()
+        .to_owned();
+    let out = std::process::Command::new("pgrep")
+        .args(["-P", &postmaster])
+        .output()
+        .expect("pgrep");
+    let children = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    (postmaster, children)
+}
+
+fn signal_all(signal: &str, pids: &[String]) {
+    let out = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .args(pids)
+        .output()
+        .expect("kill");
+    assert!(out.status.success(), "kill -{signal} {pids:?}");
+}
+
+/// A storage snapshot of a running cluster: every process stopped (SIGSTOP, the postmaster
+/// first so that it forks no more), the data directory copied, every process continued.
+/// The copy is what a crash at that instant would leave: what a volume snapshot restores.
+fn snapshot_running(pg: &Postgres, to: &std::path::Path) {
+    let (postmaster, _) = cluster_pids(pg);
+    signal_all("STOP", std::slice::from_ref(&postmaster));
+    let (_, children) = cluster_pids(pg);
+    if !children.is_empty() {
+        signal_all("STOP", &children);
+    }
+    copy_dir(&pg.data_dir(), to);
+    if !children.is_empty() {
+        signal_all("CONT", &children);
+    }
+    signal_all("CONT", &[postmaster]);
+    // The copy's lock file names a postmaster that will be gone when it is restored.
+    let _ = std::fs::remove_file(to.join("postmaster.pid"));
+}
+
+/// Issue 21 item 8: the watermark ahead of the recorded flush LSN when a session ends
+/// (here: the record held back by a row lock; in production the record's slack, or the
+/// confirms collected after PostgreSQL went away), and the database restored to a snapshot
+/// holding that same record: same system identifier, same timeline, the record equal to
+/// what this process recorded, and new commits written over the range above it before the
+/// streamer reconnects. A resume from the watermark skips those commits; a resume from the
+/// record, acknowledging only what this process settled there (same position, same
+/// content), delivers every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_restored_while_the_record_lags_the_watermark_loses_nothing() {
+    let pg = Postgres::start_private(&[("wal_sender_timeout", "10s")]);
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(&pg, &rmq.url(), "gap_lagging_record").await;
+    let proxy = crate::support::Proxy::start(pg.port());
+    let http = crate::support::free_port();
+    let streamer = ob.run_with_url(
+        &ob.streamer_url_via(proxy.port()),
+        &["--http-addr", &format!("127.0.0.1:{http}")],
+    );
+    wait_streaming(&streamer).await;
+    emit(&ob, "warm", 5);
+    let got = ob.drain(5, scaled(Duration::from_secs(30))).await;
+    assert_eq!(ids_of(&got), expected("warm", 5), "{}", streamer.log());
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+
+    // Hold the record where it is: the recorder's UPDATE waits for this row lock (taken
+    // after any write in progress committed).
+    let holder = pg.client(&ob.db).await;
+    holder
+        .batch_execute("BEGIN; SELECT 1 FROM outbox.stream_state FOR UPDATE")
+        .await
+        .expect("lock the record");
+    let held = recorded(&ob);
+    let copy = pg.root_dir().join("data-snapshot");
+    snapshot_running(&pg, &copy);
+
+    emit_each_committed(&ob, "first", 200);
+    let got = ob.drain(200, scaled(Duration::from_secs(60))).await;
+    assert_eq!(ids_of(&got), expected("first", 200), "{}", streamer.log());
+    // Every one published and settled (the watermark passed them: nothing unacknowledged),
+    // while the record, and so the flush LSN sent to the server, is held back.
+    let settled_unrecorded =
+        crate::support::wait_until(scaled(Duration::from_secs(30)), || async {
+            let text = crate::observability::scrape(http);
+            let sample = |s| crate::observability::sample(&text, s).unwrap_or(-1.0);
+            sample("pgoutbox_messages_published_total") >= 205.0
+                && sample("pgoutbox_unacknowledged_messages") == 0.0
+        })
+        .await;
+    assert!(
+        settled_unrecorded,
+        "{}\n{}",
+        crate::observability::scrape(http),
+        streamer.log()
+    );
+    assert_eq!(recorded(&ob), held, "the record was held back");
+
+    // The session ends (the server unreachable), the server is replaced by the snapshot.
+    proxy.refuse();
+    proxy.cut();
+    assert!(
+        streamer
+            .wait_for_log(
+                "session failed; reconnecting",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    drop(holder);
+    pg.stop_immediate();
+    copy_dir(&copy, &pg.data_dir());
+    pg.start();
+    assert_eq!(recorded(&ob), held, "the snapshot holds the same record");
+    // New commits over the range the first 200 took, and WAL past where they ended, before
+    // the streamer can reconnect.
+    emit_each_committed(&ob, "second", 200);
+    ob.sql("SELECT pg_logical_emit_message(true, 'filler', repeat('x', 400000))");
+    proxy.pass();
+    let got = ob.drain(200, scaled(Duration::from_secs(90))).await;
+    let ids = ids_of(&got);
+    let want = expected("second", 200);
+    let missing: Vec<_> = want.difference(&ids).take(10).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of 200 commits made on the restored snapshot missing (e.g. {missing:?}):\n{}",
+        want.difference(&ids).count(),
+        streamer.log()
+    );
+    assert!(streamer.try_status().is_none(), "still running");
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::support::{self, scaled, scaled_count, Outbox, Postgres, RabbitMq, Streamer};
 
 /// One HTTP GET: (status code, body). `None` when nothing answers.
-fn get(port: u16, path: &str) -> Option<(u16, String)> {
+pub(crate) fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
@@ -29,7 +29,7 @@ fn get(port: u16, path: &str) -> Option<(u16, String)> {
 }
 
 /// The value of the sample `series` (a name, with its labels if any) in a scrape.
-fn sample(scrape: &str, series: &str) -> Option<f64> {
+pub(crate) fn sample(scrape: &str, series: &str) -> Option<f64> {
     scrape.lines().find_map(|l| {
         let rest = l.strip_prefix(series)?;
         let value = rest.strip_prefix(' ')?;
@@ -37,14 +37,14 @@ fn sample(scrape: &str, series: &str) -> Option<f64> {
     })
 }
 
-fn scrape(port: u16) -> String {
+pub(crate) fn scrape(port: u16) -> String {
     match get(port, "/metrics") {
         Some((200, body)) => body,
         other => panic!("scrape failed: {other:?}"),
     }
 }
 
-fn metric(port: u16, series: &str) -> f64 {
+pub(crate) fn metric(port: u16, series: &str) -> f64 {
     let text = scrape(port);
     sample(&text, series).unwrap_or_else(|| panic!("{series} missing:\n{text}"))
 }
