@@ -78,7 +78,12 @@ fn main() -> ExitCode {
     };
     let is_status = matches!(job, Job::Other(Command::Status(_)));
     let format = cli.log_format;
-    match runtime.block_on(try_main(job)) {
+    let result = runtime.block_on(try_main(job));
+    // Dropping a runtime waits for its blocking tasks without bound: one may be stuck
+    // reading a TLS file (a FIFO, a hung network file system) long after the process
+    // decided to exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             report_exit(format, &e);

@@ -180,7 +180,7 @@ async fn connect_as(config: &DatabaseConfig, pg: &tokio_postgres::Config) -> Res
                 client
             })
         } else {
-            let rustls = tls.client_config(&target).map_err(Error::Tls)?;
+            let rustls = tls.load_client_config(&target).await.map_err(Error::Tls)?;
             let connector = tokio_postgres_rustls::MakeRustlsConnect::new((*rustls).clone());
             pg.connect(connector).await.map(|(client, connection)| {
                 tokio::spawn(async move {

@@ -33,6 +33,26 @@ impl PostgresTls {
     /// # Errors
     /// [`TlsError`] (definite) when a file cannot be read, holds no usable PEM block, the
     /// key does not fit the certificate, or the system trust store is empty.
+    pub async fn load_client_config(&self, target: &str) -> Result<Arc<ClientConfig>, TlsError> {
+        let (tls, owned) = (self.clone(), target.to_owned());
+        // On the blocking pool, not the runtime's one thread: a file read may block (a
+        // FIFO, a hung network file system) and would stall the stream and signals.
+        match tokio::task::spawn_blocking(move || tls.client_config(&owned)).await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(TlsError {
+                target: target.to_owned(),
+                context: format!("reading the TLS files was cancelled: {e}"),
+                fix: "retry (the process is shutting down)".into(),
+                definite: false,
+            }),
+        }
+    }
+
+    /// [`PostgresTls::load_client_config`] on the calling thread.
+    ///
+    /// # Errors
+    /// As [`PostgresTls::load_client_config`].
     pub fn client_config(&self, target: &str) -> Result<Arc<ClientConfig>, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let setup = |what: String, reason: String, fix: &str| TlsError {

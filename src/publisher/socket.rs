@@ -168,7 +168,7 @@ pub enum Socket {
 /// broker).
 pub async fn connect(endpoint: &Endpoint) -> Result<Socket, Error> {
     let tls = match &endpoint.tls {
-        Some(options) => Some((options, options.client_config()?)),
+        Some(options) => Some((options, options.load_client_config().await?)),
         None => None,
     };
     let tcp = match &endpoint.host {

@@ -161,6 +161,24 @@ impl TlsOptions {
     /// [`Error::TlsSetup`] (definite) when a file cannot be read, holds no usable PEM
     /// block, or the key does not fit the certificate, and when the system trust store
     /// holds no CA certificate.
+    pub async fn load_client_config(&self) -> Result<Arc<ClientConfig>, Error> {
+        let options = self.clone();
+        // On the blocking pool, not the runtime's one thread: a file read may block (a
+        // FIFO, a hung network file system) and would stall the stream and signals.
+        match tokio::task::spawn_blocking(move || options.client_config()).await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(Error::Connect {
+                url: String::new(),
+                context: format!("reading the TLS files was cancelled: {e}"),
+            }),
+        }
+    }
+
+    /// [`TlsOptions::load_client_config`] on the calling thread.
+    ///
+    /// # Errors
+    /// As [`TlsOptions::load_client_config`].
     pub fn client_config(&self) -> Result<Arc<ClientConfig>, Error> {
         let mut roots = RootCertStore::empty();
         match &self.anchors {

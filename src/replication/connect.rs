@@ -306,7 +306,11 @@ impl ReplicationConnection {
                     }
                     Box::new(s)
                 } else {
-                    let rustls = config.tls.client_config(&target).map_err(Error::Tls)?;
+                    let rustls = config
+                        .tls
+                        .load_client_config(&target)
+                        .await
+                        .map_err(Error::Tls)?;
                     let server_name =
                         postgres_tls::server_name(name, &target).map_err(Error::Tls)?;
                     let tls = tokio_rustls::TlsConnector::from(rustls)

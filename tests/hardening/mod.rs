@@ -590,3 +590,58 @@ async fn broker_max_message_bytes_is_checked_before_publishing() {
     );
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }
+
+/// Issue 21 item 9: the TLS files are read off the runtime's one thread. A read that blocks
+/// (here a FIFO whose writer sends nothing; in production a hung network file system) used
+/// to stall the whole runtime, the SIGTERM handler with it, so `run` could not be stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_file_read_that_blocks_does_not_stall_the_runtime() {
+    use std::os::unix::fs::OpenOptionsExt;
+    /// `O_NONBLOCK` on Linux: opening a FIFO for writing then fails (ENXIO) until a reader
+    /// has it open, instead of waiting for one.
+    const O_NONBLOCK: i32 = 0o4000;
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "tls_fifo").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fifo = dir.path().join("ca.pem");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let url = format!(
+        "amqps://guest:guest@127.0.0.1:{}/%2f?cacertfile={}",
+        rmq.port(),
+        fifo.display()
+    );
+    let streamer = ob.run_with_amqp_url(&url, &[]);
+    // The streamer has the FIFO open (and, with this writer connected, blocks reading it).
+    let mut writer = None;
+    let opened = support::wait_until(scaled(Duration::from_secs(30)), || {
+        let fifo = fifo.clone();
+        let found = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(&fifo)
+            .ok();
+        let got = found.is_some();
+        if got {
+            writer = found;
+        }
+        async move { got }
+    })
+    .await;
+    assert!(opened, "run never opened the CA file:\n{}", streamer.log());
+    streamer.sigterm();
+    let ended = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    drop(writer);
+    if ended.is_none() {
+        streamer.kill9();
+    }
+    assert!(
+        ended.is_some(),
+        "run did not end on SIGTERM while reading a TLS file blocked:\n{}",
+        streamer.log()
+    );
+}
