@@ -75,6 +75,9 @@ struct Guards {
     streaming: bool,
     /// The replication connection is usable (status updates go out).
     pg_alive: bool,
+    /// The record is watched: its progress wakes the loop, its end ends the session (not
+    /// while a shutdown drains: the final update reports what is recorded).
+    watch_record: bool,
     /// The window has room and the sink takes publishes.
     room: bool,
     next_retry: Option<Instant>,
@@ -270,7 +273,7 @@ impl Core {
     /// 1. shutdown signal (stop reading, start the bounded drain);
     /// 2. the drain deadline;
     /// 3. the status update deadline, which also checks the sink's health (never starved
-    ///    by confirms or WAL);
+    ///    by confirms or WAL); the record's progress or end;
     /// 4. the sink: buffered publishes written, settled outcomes read (a batch per turn);
     /// 5. committed dead letters;
     /// 6. retries that are due;
@@ -323,9 +326,15 @@ impl Core {
                     self.on_status_deadline(&*sink, &mut drain).await?;
                 }
                 // PRIORITY 3b: the recorder committed a new flush LSN: wake, so the status
-                // deadline above is computed again (an update then goes out promptly).
+                // deadline above is computed again (an update then goes out promptly). Or
+                // the recorder's SQL session closed (PostgreSQL shutting down): the session
+                // ends now, as a lost replication connection does, not at the next update.
                 // Cancel safety: Status::recorded_changed is cancel safe.
-                _ = self.status.recorded_changed(), if g.pg_alive => {}
+                _ = self.status.recorded_changed(), if g.watch_record => {
+                    if self.status.recorder_gone() {
+                        drain = self.on_error(Error::StreamStateLost)?;
+                    }
+                }
                 // PRIORITY 4: the sink: writes what publish() encoded, reads confirms and
                 // returns. Cancel safety: sink::recv_settled is cancel safe.
                 batch = recv_settled(&mut *sink) => self.on_settled(batch, sink).await?,
@@ -364,6 +373,8 @@ impl Core {
             },
             streaming: drain.is_none(),
             pg_alive: !matches!(drain, Some(Drain::PostgresLost(..))),
+            watch_record: !matches!(drain, Some(Drain::PostgresLost(..)))
+                && (drain.is_none() || !self.status.recorder_gone()),
             room: self.has_room() && sink.is_writable(),
             next_retry: self.settling.next_retry(),
             writing: self.settling.dead_letters_pending() > 0,
