@@ -342,6 +342,7 @@ impl Sessions<'_> {
         });
         memory.resume = Some(core.flushed());
         memory.unsettled_at_end = core.unsettled();
+        memory.stalled_since = core.stalled_since();
         if let Some(limit) = core.broker_limit() {
             memory.broker_limit = Some(limit);
         }
@@ -370,6 +371,7 @@ impl Sessions<'_> {
             c.gate,
             memory.broker_limit.clone(),
             memory.refusals.clone(),
+            memory.stalled_since,
             std::mem::take(summary),
             Arc::clone(self.telemetry),
             c.lockdown,

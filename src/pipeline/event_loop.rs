@@ -81,6 +81,8 @@ struct Guards {
     /// The window has room and the sink takes publishes.
     room: bool,
     next_retry: Option<Instant>,
+    /// When the next stall warning falls due.
+    stall_due: Option<Instant>,
     /// Dead letters are being written.
     writing: bool,
 }
@@ -131,6 +133,7 @@ impl Core {
         gate: FlushGate,
         broker_limit: Option<BrokerLimit>,
         refusals: Refusals,
+        stalled_since: Option<Instant>,
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
@@ -163,6 +166,7 @@ impl Core {
             dead_letters,
             journal,
             config.observability.stall_after,
+            stalled_since,
             rules,
             Arc::clone(&telemetry),
         );
@@ -237,6 +241,12 @@ impl Core {
         self.settling.wm().unconfirmed()
     }
 
+    /// The stall clock at the session's end: when the last progress was, while messages
+    /// are unsettled (the next session's stall goes on from there).
+    pub fn stalled_since(&self) -> Option<Instant> {
+        self.settling.stalled_since()
+    }
+
     /// The broker's size limit, when known (perhaps learned in this session).
     pub fn broker_limit(&self) -> Option<BrokerLimit> {
         self.admission.broker_limit().cloned()
@@ -273,7 +283,7 @@ impl Core {
     /// 1. shutdown signal (stop reading, start the bounded drain);
     /// 2. the drain deadline;
     /// 3. the status update deadline, which also checks the sink's health (never starved
-    ///    by confirms or WAL); the record's progress or end;
+    ///    by confirms or WAL); the record's progress or end; a stall warning that falls due;
     /// 4. the sink: buffered publishes written, settled outcomes read (a batch per turn);
     /// 5. committed dead letters;
     /// 6. retries that are due;
@@ -335,6 +345,12 @@ impl Core {
                         drain = self.on_error(Error::StreamStateLost)?;
                     }
                 }
+                // PRIORITY 3c: a stall warning falls due (`--stall-after-s` after the last
+                // progress, then once a minute), not only at the next status update.
+                // Cancel safety: sleep_until.
+                _ = tokio::time::sleep_until(g.stall_due.unwrap_or_else(Instant::now)), if g.stall_due.is_some() => {
+                    self.warn_if_stalled(self.has_room());
+                }
                 // PRIORITY 4: the sink: writes what publish() encoded, reads confirms and
                 // returns. Cancel safety: sink::recv_settled is cancel safe.
                 batch = recv_settled(&mut *sink) => self.on_settled(batch, sink).await?,
@@ -377,6 +393,7 @@ impl Core {
                 && (drain.is_none() || !self.status.recorder_gone()),
             room: self.has_room() && sink.is_writable(),
             next_retry: self.settling.next_retry(),
+            stall_due: self.settling.stall_due(),
             writing: self.settling.dead_letters_pending() > 0,
         }
     }

@@ -368,6 +368,90 @@ async fn readyz_says_replication_lost_while_postgres_is_down() {
     streamer.stop(scaled(Duration::from_secs(30))).await;
 }
 
+/// The `stalled_s` of each stall warning in a log, in order.
+fn stalled_s(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter(|l| l.contains("stalled: no message settled"))
+        .filter_map(|l| {
+            l.split("stalled_s=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// A stall that spans a reconnect (the broker blocked, its connections closed, the next
+/// session blocked too) is one stall: the next session's warning counts `stalled_s` from the
+/// last progress, in the session before, not from the reconnect (issue 21 item 14).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_across_a_reconnect_counts_from_the_last_progress() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "obs_stall_reconnect").await;
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let streamer = ob.run(&["--http-addr", &addr, "--stall-after-s", "2"]);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    rmq.block();
+    ob.sql("SELECT outbox.emit('obs', '{}', '{}', 'obs-stuck')");
+    assert!(
+        streamer
+            .wait_for_log(
+                "stalled: no message settled",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    // Past 15 s of stall (more than a status interval, 10 s, after any reconnect), end the
+    // session: the next one connects (an alarm blocks publishing, not connecting) and is
+    // blocked as well.
+    const STALLED_BEFORE: f64 = 15.0;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(40)), || async {
+            metric(port, "pgoutbox_oldest_unconfirmed_age_seconds") >= STALLED_BEFORE
+        })
+        .await,
+        "{}",
+        stall_lines(&scrape(port))
+    );
+    let warnings = stalled_s(&streamer.log()).len();
+    rmq.close_all_connections();
+    assert!(
+        streamer
+            .wait_for_log(
+                "session failed; reconnecting",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let warned_again = support::wait_until(scaled(Duration::from_secs(40)), || async {
+        streamer.log_count(": streaming slot=") >= 2 && stalled_s(&streamer.log()).len() > warnings
+    })
+    .await;
+    assert!(
+        warned_again,
+        "a warning in the next session:\n{}",
+        streamer.log()
+    );
+    let after = *stalled_s(&streamer.log()).last().expect("a warning");
+    assert!(
+        after as f64 >= STALLED_BEFORE,
+        "stalled_s={after} in the next session, though nothing settled for over {STALLED_BEFORE} s:\n{}",
+        streamer.log()
+    );
+    rmq.unblock();
+    assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    streamer.stop(scaled(Duration::from_secs(30))).await;
+}
+
 /// An `--http-addr` that cannot be listened on (a port in use) or that does not parse fails
 /// at startup naming the setting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
