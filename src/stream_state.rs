@@ -657,15 +657,13 @@ impl FlushGate {
     }
 
     /// Resolves when the recorder committed a higher position than the last one this
-    /// resolved for; never resolves once the recorder ended ([`FlushGate::recorder_gone`]
-    /// reports that).
+    /// resolved for, or when the recorder ended (then at once, every time:
+    /// [`FlushGate::recorder_gone`] tells the two apart, and the session ends).
     ///
     /// # Cancel safety
     /// Cancel safe (`watch::Receiver::changed`).
     pub async fn recorded_changed(&mut self) {
-        if self.recorded.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
+        let _ = self.recorded.changed().await;
     }
 
     /// Notes a commit seen in the stream (its end LSN): a flush position past it is
@@ -713,8 +711,9 @@ impl FlushGate {
 /// Starts the recorder task on `client` (whose session start already recorded `start`):
 /// it raises `flush_lsn` to what the gate wants, at most every [`RECORD_INTERVAL`], and
 /// ends when the gate is dropped. A failed write is logged and retried after
-/// [`RECORD_INTERVAL`] × 5; until it succeeds nothing beyond the record is reported (the
-/// session fails on its own if Postgres is gone).
+/// [`RECORD_INTERVAL`] × 5; until it succeeds nothing beyond the record is reported. It
+/// also ends when its SQL session closes, idle or not ([`FlushGate::recorder_gone`]), and
+/// the session then ends.
 ///
 /// Returns the gate and a handle to the highest position recorded so far.
 pub fn recorder(
@@ -729,8 +728,20 @@ pub fn recorder(
     tokio::spawn(async move {
         let client = client;
         loop {
-            if wanted_rx.changed().await.is_err() {
-                return;
+            tokio::select! {
+                changed = wanted_rx.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                // An idle recorder has nothing to write, so only this notices its SQL
+                // session ending (a PostgreSQL shutdown terminates it first): the gate
+                // then reports the recorder gone and the session ends at once, instead of
+                // keeping a fast shutdown waiting for a flush position it cannot record.
+                () = closed(&client) => {
+                    tracing::debug!("the SQL session recording the flush LSN closed");
+                    return;
+                }
             }
             let target = *wanted_rx.borrow_and_update();
             if target <= *recorded_tx.borrow() {
@@ -762,6 +773,20 @@ pub fn recorder(
         },
         handle,
     )
+}
+
+/// How often an idle recorder checks that its SQL session is still open.
+const CLOSED_POLL: Duration = Duration::from_millis(100);
+
+/// Resolves once `client`'s connection has closed (checked every [`CLOSED_POLL`]; a
+/// local flag, no round trip).
+///
+/// # Cancel safety
+/// Cancel safe: it only sleeps and reads a flag.
+async fn closed(client: &Client) {
+    while !client.is_closed() {
+        tokio::time::sleep(CLOSED_POLL).await;
+    }
 }
 
 /// The highest flush LSN the recorder committed (kept by the driver across sessions).

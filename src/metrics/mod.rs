@@ -542,6 +542,11 @@ mod tests {
         assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
         t.set_phase(Phase::Draining);
         assert_eq!(t.readiness(), Readiness::NotReady("draining"));
+        // Between sessions the reason names the side that failed.
+        t.set_phase(Phase::BrokerDisconnected);
+        assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
+        t.set_phase(Phase::ReplicationLost);
+        assert_eq!(t.readiness(), Readiness::NotReady("replication_lost"));
         assert!(t.is_healthy());
     }
 }

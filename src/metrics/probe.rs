@@ -9,10 +9,15 @@ use std::time::{Duration, Instant};
 use super::HEALTH_STALE_AFTER;
 
 /// What the driver is doing, for `/readyz`.
+///
+/// After a session fails, the phase names the side that failed ([`Phase::BrokerDisconnected`]
+/// or [`Phase::ReplicationLost`]) until the next session streams: through the backoff and
+/// the reconnect attempts, each failed attempt naming its own side again.
+/// [`Phase::Connecting`] is only the first connect of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Phase {
-    /// Connecting to Postgres or RabbitMQ, or backing off between sessions.
+    /// The first connect of the process, before any session streamed or failed.
     Connecting = 0,
     /// Another process holds the slot; standing by.
     SlotBusy = 1,
@@ -20,8 +25,11 @@ pub enum Phase {
     Streaming = 2,
     /// Shutdown requested: draining confirms.
     Draining = 3,
-    /// The replication connection broke: collecting confirms before reconnecting.
+    /// The replication connection or PostgreSQL failed: collecting confirms before
+    /// reconnecting, backing off, or reconnecting.
     ReplicationLost = 4,
+    /// The broker connection or channel failed: backing off or reconnecting.
+    BrokerDisconnected = 5,
 }
 
 impl Phase {
@@ -31,6 +39,7 @@ impl Phase {
             2 => Phase::Streaming,
             3 => Phase::Draining,
             4 => Phase::ReplicationLost,
+            5 => Phase::BrokerDisconnected,
             _ => Phase::Connecting,
         }
     }
@@ -43,6 +52,7 @@ impl Phase {
             Phase::Streaming => None,
             Phase::Draining => Some("draining"),
             Phase::ReplicationLost => Some("replication_lost"),
+            Phase::BrokerDisconnected => Some("broker_disconnected"),
         }
     }
 }

@@ -80,6 +80,15 @@ fn reconnect_cause(error: &Error) -> &'static str {
     }
 }
 
+/// The phase `/readyz` shows after a session failed with `error` ([`reconnect_cause`]'s
+/// side): `broker_disconnected` or `replication_lost`, until a session streams again.
+fn outage_phase(error: &Error) -> Phase {
+    match reconnect_cause(error) {
+        "broker" => Phase::BrokerDisconnected,
+        _ => Phase::ReplicationLost,
+    }
+}
+
 /// Aborts the HTTP task when `run` returns.
 struct ServerGuard(Option<tokio::task::JoinHandle<()>>);
 
@@ -247,7 +256,6 @@ impl Sessions<'_> {
             let began = Instant::now();
             memory.streaming_since = None;
             let result = self.session(shutdown.clone(), memory, &mut summary).await;
-            self.telemetry.set_phase(Phase::Connecting);
             if result.is_err() {
                 note_role(self.telemetry, &self.config.postgres.slot, Role::None, None);
             }
@@ -255,6 +263,9 @@ impl Sessions<'_> {
                 Ok(()) => return Ok(summary),
                 Err(e) => memory.note_decode_failure(e),
             };
+            // Not ready, saying which side failed, through the backoff and the next connect
+            // (whose own failure names its side again).
+            self.telemetry.set_phase(outage_phase(&error));
             if !error.is_retryable() {
                 return Err(error);
             }
@@ -293,7 +304,6 @@ impl Sessions<'_> {
         summary: &mut RunSummary,
     ) -> Result<(), Error> {
         memory.unsettled_at_end = 0;
-        self.telemetry.set_phase(Phase::Connecting);
         let connecting =
             session::connect(self.config, self.pg, &self.sinks, memory, self.telemetry);
         let connected = tokio::select! {
@@ -315,6 +325,10 @@ impl Sessions<'_> {
         self.journal.set_interval(connected.interval);
         let (mut core, mut sink, ended) = self.core(connected, memory, summary);
         let result = core.run_loop(&mut *sink, shutdown).await;
+        if let Err(e) = &result {
+            // Not ready from the moment the loop ends, not once the connections are closed.
+            self.telemetry.set_phase(outage_phase(e));
+        }
         memory.nodes.session_ended(
             ended.node,
             result
@@ -346,6 +360,7 @@ impl Sessions<'_> {
             );
         }
         memory.unsettled_at_end = core.unsettled();
+        memory.stalled_since = core.stalled_since();
         if let Some(limit) = core.broker_limit() {
             memory.broker_limit = Some(limit);
         }
@@ -374,6 +389,7 @@ impl Sessions<'_> {
             c.gate,
             memory.broker_limit.clone(),
             memory.refusals.clone(),
+            memory.stalled_since,
             std::mem::take(summary),
             Arc::clone(self.telemetry),
             c.lockdown,
@@ -430,6 +446,22 @@ fn log_stopped(summary: &RunSummary) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_outage_names_the_side_that_failed() {
+        assert_eq!(
+            outage_phase(&Error::BrokerLost("gone".into())),
+            Phase::BrokerDisconnected
+        );
+        assert_eq!(
+            outage_phase(&Error::StreamStateLost),
+            Phase::ReplicationLost
+        );
+        assert_eq!(
+            outage_phase(&Error::Stream("eof".into())),
+            Phase::ReplicationLost
+        );
+    }
 
     #[test]
     fn backoff_never_exceeds_its_cap() {

@@ -75,9 +75,14 @@ struct Guards {
     streaming: bool,
     /// The replication connection is usable (status updates go out).
     pg_alive: bool,
+    /// The record is watched: its progress wakes the loop, its end ends the session (not
+    /// while a shutdown drains: the final update reports what is recorded).
+    watch_record: bool,
     /// The window has room and the sink takes publishes.
     room: bool,
     next_retry: Option<Instant>,
+    /// When the next stall warning falls due.
+    stall_due: Option<Instant>,
     /// Dead letters are being written.
     writing: bool,
 }
@@ -128,6 +133,7 @@ impl Core {
         gate: FlushGate,
         broker_limit: Option<BrokerLimit>,
         refusals: Refusals,
+        stalled_since: Option<Instant>,
         summary: RunSummary,
         telemetry: Arc<Telemetry>,
         lockdown: Lockdown,
@@ -160,6 +166,7 @@ impl Core {
             dead_letters,
             journal,
             config.observability.stall_after,
+            stalled_since,
             rules,
             Arc::clone(&telemetry),
         );
@@ -236,6 +243,12 @@ impl Core {
         self.settling.wm().unconfirmed()
     }
 
+    /// The stall clock at the session's end: when the last progress was, while messages
+    /// are unsettled (the next session's stall goes on from there).
+    pub fn stalled_since(&self) -> Option<Instant> {
+        self.settling.stalled_since()
+    }
+
     /// The broker's size limit, when known (perhaps learned in this session).
     pub fn broker_limit(&self) -> Option<BrokerLimit> {
         self.admission.broker_limit().cloned()
@@ -283,7 +296,7 @@ impl Core {
     /// 1. shutdown signal (stop reading, start the bounded drain);
     /// 2. the drain deadline;
     /// 3. the status update deadline, which also checks the sink's health (never starved
-    ///    by confirms or WAL);
+    ///    by confirms or WAL); the record's progress or end; a stall warning that falls due;
     /// 4. the sink: buffered publishes written, settled outcomes read (a batch per turn);
     /// 5. committed dead letters;
     /// 6. retries that are due;
@@ -336,9 +349,21 @@ impl Core {
                     self.on_status_deadline(&*sink, &mut drain).await?;
                 }
                 // PRIORITY 3b: the recorder committed a new flush LSN: wake, so the status
-                // deadline above is computed again (an update then goes out promptly).
+                // deadline above is computed again (an update then goes out promptly). Or
+                // the recorder's SQL session closed (PostgreSQL shutting down): the session
+                // ends now, as a lost replication connection does, not at the next update.
                 // Cancel safety: Status::recorded_changed is cancel safe.
-                _ = self.status.recorded_changed(), if g.pg_alive => {}
+                _ = self.status.recorded_changed(), if g.watch_record => {
+                    if self.status.recorder_gone() {
+                        drain = self.on_error(Error::StreamStateLost)?;
+                    }
+                }
+                // PRIORITY 3c: a stall warning falls due (`--stall-after-s` after the last
+                // progress, then once a minute), not only at the next status update.
+                // Cancel safety: sleep_until.
+                _ = tokio::time::sleep_until(g.stall_due.unwrap_or_else(Instant::now)), if g.stall_due.is_some() => {
+                    self.warn_if_stalled(self.has_room());
+                }
                 // PRIORITY 4: the sink: writes what publish() encoded, reads confirms and
                 // returns. Cancel safety: sink::recv_settled is cancel safe.
                 batch = recv_settled(&mut *sink) => self.on_settled(batch, sink).await?,
@@ -377,8 +402,11 @@ impl Core {
             },
             streaming: drain.is_none(),
             pg_alive: !matches!(drain, Some(Drain::PostgresLost(..))),
+            watch_record: !matches!(drain, Some(Drain::PostgresLost(..)))
+                && (drain.is_none() || !self.status.recorder_gone()),
             room: self.has_room() && sink.is_writable(),
             next_retry: self.settling.next_retry(),
+            stall_due: self.settling.stall_due(),
             writing: self.settling.dead_letters_pending() > 0,
         }
     }

@@ -131,7 +131,11 @@ impl Feedback {
 ///
 /// The stall clock restarts on every turn that settled a message, and on every turn with
 /// nothing unconfirmed before it (so a message arriving after a long idle period is not a
-/// stall at once). A settle only sets a flag; the clock is read once per loop turn.
+/// stall at once). A settle only sets a flag; the clock is read once per loop turn. A stall
+/// that outlives its session (the broker connection failed with messages unconfirmed) goes
+/// on in the next one: that session's watch starts from the clock of the one before
+/// ([`StallWatch::stalled_since`]), so the warning's `stalled_s` is the time since the last
+/// progress, not since the reconnect.
 #[derive(Debug)]
 pub(super) struct StallWatch {
     stall_after: Duration,
@@ -139,17 +143,22 @@ pub(super) struct StallWatch {
     last_warning: Option<Instant>,
     settled: bool,
     had_unconfirmed: bool,
+    /// Where the session before left its stall clock (its messages unsettled), taken by
+    /// this session's first unconfirmed turn unless a settle comes first.
+    carried: Option<Instant>,
 }
 
 impl StallWatch {
-    /// A watch that starts now.
-    pub fn new(stall_after: Duration) -> Self {
+    /// A watch that starts now; `carried` is the previous session's
+    /// [`StallWatch::stalled_since`].
+    pub fn new(stall_after: Duration, carried: Option<Instant>) -> Self {
         StallWatch {
             stall_after,
             last_progress: Instant::now(),
             last_warning: None,
             settled: false,
             had_unconfirmed: false,
+            carried,
         }
     }
 
@@ -158,23 +167,44 @@ impl StallWatch {
         self.settled = true;
     }
 
-    /// Once per loop turn, with the unconfirmed count: `Some(now)` when the stall clock
-    /// restarted (for the metrics).
+    /// Once per loop turn, with the unconfirmed count: `Some(since)` when the stall clock
+    /// restarted (for the metrics): `now`, or the previous session's clock on the first
+    /// unconfirmed turn of a session that inherited a stall.
     pub fn turn(&mut self, unconfirmed: u64, now: Instant) -> Option<Instant> {
-        let restart = self.settled || unconfirmed == 0 || !self.had_unconfirmed;
-        self.settled = false;
+        let settled = std::mem::take(&mut self.settled);
+        let restart = settled || unconfirmed == 0 || !self.had_unconfirmed;
         self.had_unconfirmed = unconfirmed > 0;
-        if restart {
-            self.last_progress = now;
-            self.last_warning = None;
-            Some(now)
-        } else {
-            None
+        if !restart {
+            return None;
         }
+        if settled {
+            self.carried = None;
+        }
+        let since = if unconfirmed > 0 {
+            self.carried.take().unwrap_or(now).min(now)
+        } else {
+            now
+        };
+        self.last_progress = since;
+        self.last_warning = None;
+        Some(since)
     }
 
-    /// Called on every status tick: `Some(stalled for)` when a warning is due: stalled, and
-    /// no warning in the last [`STALL_WARNING`].
+    /// When the next warning falls due with `unconfirmed` messages unsettled: once
+    /// `--stall-after-s` passed since the last progress, then every [`STALL_WARNING`]
+    /// (`None` with nothing unconfirmed). The loop wakes then, whatever else it waits for.
+    pub fn due(&self, unconfirmed: u64) -> Option<Instant> {
+        if unconfirmed == 0 {
+            return None;
+        }
+        Some(match self.last_warning {
+            None => self.last_progress + self.stall_after,
+            Some(at) => at + STALL_WARNING,
+        })
+    }
+
+    /// `Some(stalled for)` when a warning is due at `now`: stalled, and no warning in the
+    /// last [`STALL_WARNING`]. `stalled for` is the time since the last progress.
     pub fn check(&mut self, unconfirmed: u64, now: Instant) -> Option<Duration> {
         let stalled = now.saturating_duration_since(self.last_progress);
         if unconfirmed == 0 || stalled < self.stall_after {
@@ -188,6 +218,19 @@ impl StallWatch {
         }
         self.last_warning = Some(now);
         Some(stalled)
+    }
+
+    /// Where the stall clock stands at the end of a session, for the next one: when the
+    /// last progress was, while messages are unconfirmed and none settled since the last
+    /// turn (`None` otherwise).
+    pub fn stalled_since(&self) -> Option<Instant> {
+        if self.settled {
+            None
+        } else if self.had_unconfirmed {
+            Some(self.last_progress)
+        } else {
+            self.carried
+        }
     }
 }
 
@@ -221,7 +264,7 @@ mod tests {
     fn a_stall_is_warned_about_once_a_minute_and_ends_with_a_settle() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let mut w = StallWatch::new(Duration::from_secs(5));
+        let mut w = StallWatch::new(Duration::from_secs(5), None);
         assert!(w.turn(0, at(0)).is_some());
         // A message arrives after a long idle time: the clock starts with it.
         assert!(w.turn(1, at(100)).is_some());
@@ -235,5 +278,56 @@ mod tests {
         assert!(w.turn(1, at(167)).is_some());
         assert_eq!(w.check(1, at(170)), None);
         assert_eq!(w.check(0, at(500)), None, "nothing unconfirmed is no stall");
+    }
+
+    /// Regression (issue 21 item 14): the warning waited for a status tick (up to 10 s), so
+    /// `--stall-after-s 1` warned 10 s into a stall; it is due when the setting passes.
+    #[test]
+    fn the_warning_falls_due_when_stall_after_passes() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut w = StallWatch::new(Duration::from_secs(1), None);
+        assert!(w.turn(0, at(0)).is_some());
+        assert_eq!(w.due(0), None, "nothing unconfirmed, nothing due");
+        assert_eq!(w.turn(3, at(200)), Some(at(200)));
+        assert_eq!(w.due(3), Some(at(1200)));
+        assert_eq!(w.check(3, at(1200)), Some(Duration::from_secs(1)));
+        assert_eq!(
+            w.due(3),
+            Some(at(1200) + STALL_WARNING),
+            "then once a minute"
+        );
+    }
+
+    /// Regression (issue 21 item 14): a stall that spans a reconnect (the broker failed
+    /// with messages unconfirmed, the next session is stuck too) restarted its clock with
+    /// each session, so `stalled_s` counted from the reconnect. It counts from the last
+    /// progress, in the session before.
+    #[test]
+    fn stalled_s_counts_from_the_last_progress_across_a_reconnect() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut first = StallWatch::new(Duration::from_secs(5), None);
+        assert!(first.turn(0, at(0)).is_some());
+        assert_eq!(first.turn(2, at(1)), Some(at(1)));
+        assert!(first.turn(2, at(3)).is_none());
+        assert_eq!(first.stalled_since(), Some(at(1)));
+
+        // The next session re-reads the two messages; the broker still does not confirm.
+        let mut next = StallWatch::new(Duration::from_secs(5), first.stalled_since());
+        assert_eq!(next.turn(0, at(9)), Some(at(9)), "nothing read yet");
+        assert_eq!(next.turn(2, at(10)), Some(at(1)), "the stall goes on");
+        assert_eq!(next.due(2), Some(at(6)));
+        assert_eq!(next.check(2, at(10)), Some(Duration::from_secs(9)));
+        // A settle is progress: the clock starts again, and nothing is carried any more.
+        next.progress();
+        assert_eq!(next.turn(1, at(11)), Some(at(11)));
+        assert_eq!(next.check(1, at(12)), None);
+        assert_eq!(next.stalled_since(), Some(at(11)));
+
+        // A session that ended with everything settled leaves no stall behind.
+        let mut idle = StallWatch::new(Duration::from_secs(5), None);
+        idle.turn(0, at(20));
+        assert_eq!(idle.stalled_since(), None);
     }
 }

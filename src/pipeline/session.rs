@@ -54,6 +54,9 @@ pub(super) struct SessionMemory {
     pub refusals: Refusals,
     /// Messages not settled when the last session ended.
     pub unsettled_at_end: u64,
+    /// The last session's stall clock when it ended with messages unsettled: the next
+    /// session's stall goes on from there ([`super::feedback::StallWatch::stalled_since`]).
+    pub stalled_since: Option<tokio::time::Instant>,
     /// When the last session started streaming (both sides connected); `None` when it
     /// failed before. Decides whether the reconnect backoff starts over.
     pub streaming_since: Option<tokio::time::Instant>,

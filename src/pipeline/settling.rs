@@ -96,12 +96,14 @@ pub(super) struct Settling {
 
 impl Settling {
     /// Starts at `start` (the watermark's first flush LSN), stall warnings after
-    /// `stall_after`.
+    /// `stall_after`, the stall clock carried from the session before when it ended
+    /// stalled (`stalled_since`, [`StallWatch::stalled_since`]).
     pub fn new(
         start: Lsn,
         dead_letters: DeadLetterWriter,
         journal: JournalHandle,
         stall_after: Duration,
+        stalled_since: Option<Instant>,
         rules: SettlingRules,
         telemetry: Arc<Telemetry>,
     ) -> Self {
@@ -110,7 +112,7 @@ impl Settling {
             in_flight: InFlightTable::default(),
             dead_letters,
             journal,
-            stall: StallWatch::new(stall_after),
+            stall: StallWatch::new(stall_after, stalled_since),
             latency: LatencyBatch::default(),
             rules,
             telemetry,
@@ -244,9 +246,19 @@ impl Settling {
         self.stall.turn(self.wm.unconfirmed(), now)
     }
 
-    /// On a status tick: `Some(stalled for)` when a stall warning is due.
+    /// `Some(stalled for)` when a stall warning is due at `now`.
     pub fn stall_check(&mut self, now: Instant) -> Option<Duration> {
         self.stall.check(self.wm.unconfirmed(), now)
+    }
+
+    /// When the next stall warning falls due ([`StallWatch::due`]).
+    pub fn stall_due(&self) -> Option<Instant> {
+        self.stall.due(self.wm.unconfirmed())
+    }
+
+    /// The stall clock at the end of the session, for the next ([`StallWatch::stalled_since`]).
+    pub fn stalled_since(&self) -> Option<Instant> {
+        self.stall.stalled_since()
     }
 
     /// This turn's confirm latencies, for the metrics.

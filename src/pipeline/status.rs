@@ -59,6 +59,11 @@ impl Status {
         self.gate.recorded_changed().await;
     }
 
+    /// Whether the recorder ended (its SQL session closed): nothing more can be recorded.
+    pub fn recorder_gone(&self) -> bool {
+        self.gate.recorder_gone()
+    }
+
     /// Once per loop turn: asks the recorder to record where the watermark is now.
     pub fn want(&mut self, flushed: Lsn) {
         self.gate.want(flushed);
