@@ -3,9 +3,9 @@
 //! `pgoutbox INSTANCE partition i/2`), so a test decides exactly what each partition's
 //! broker acks, and when it goes away.
 //!
-//! - A stalled partition fills the one global bound (`--max-in-flight`, which counts what is
-//!   not yet acknowledged to Postgres: unconfirmed messages, and confirmed ones behind an
-//!   unconfirmed one), so the partition that acks everything runs ahead by the bound and
+//! - A stalled partition fills the one global bound (`--max-in-flight` messages or
+//!   `--max-in-flight-bytes`, each counting what is not yet acknowledged to Postgres:
+//!   unconfirmed messages, and confirmed ones behind an unconfirmed one), so the partition that acks everything runs ahead by the bound and
 //!   no further; the flush LSN stays below the stalled partition's first unconfirmed
 //!   message until it acks.
 //! - A partition's socket closed mid-window settles nothing that was not acked: the flush
@@ -84,41 +84,68 @@ async fn partition_connection(
         })
 }
 
+/// Which part of the global bound a stall test sets low.
+#[derive(Debug, Clone, Copy)]
+enum Bound {
+    /// `--max-in-flight 8`.
+    Messages,
+    /// `--max-in-flight-bytes`: the content bytes of `a-0` and `b-2`..`b-5`, plus 1.
+    Bytes,
+}
+
 /// Partition 0's broker never acks, partition 1's acks every publish at once. Emitted, one
-/// per transaction: `b-0`, `b-1`, then `a-0` (partition 0), then `b-2`..`b-21`, `a-1`,
-/// `a-2`, `b-22`..`b-25`. With `--max-in-flight 8`, `b-0` and `b-1` are acked and
-/// acknowledged; then the window holds `a-0` and the seven B messages after it
-/// (`b-2`..`b-8`, confirmed but behind `a-0`), and nothing more goes out on either
-/// connection: the streamer reports the stall with the window full, B got exactly 9
-/// publishes and A exactly 1, and the slot's confirmed_flush_lsn is past `b-1` but below
-/// `a-0`. Once A acks, everything flows, each message exactly once on its partition, and
-/// the slot passes the last message.
+/// per transaction, before `run` starts: `b-0`, `b-1`, then `a-0` (partition 0), then
+/// `b-2`..`b-21`, `a-1`, `a-2`, `b-22`..`b-25`. `b-0` and `b-1` are acked and acknowledged;
+/// then the window fills with `a-0` and the B messages after it (confirmed, but behind
+/// `a-0`) and nothing more goes out on either connection. Under `--max-in-flight 8` that
+/// is `a-0` and `b-2`..`b-8` (B got exactly 9 publishes); under the bytes bound (the
+/// content bytes of `a-0` and `b-2`..`b-5`, plus 1: room while below it, so one more is
+/// read) `a-0` and `b-2`..`b-6` (B got exactly 7). In both, A got exactly 1, the streamer
+/// reports the stall with the window full, and the slot's confirmed_flush_lsn is past
+/// `b-1` but below `a-0`. Once A acks, everything flows, each message exactly once on its
+/// partition, and the slot passes the last message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_partition_fills_the_global_bound_and_holds_the_flush_lsn() {
-    const WINDOW: usize = 8;
+    stalled_partition_fills_the_bound(Bound::Messages).await;
+}
+
+/// [`a_stalled_partition_fills_the_global_bound_and_holds_the_flush_lsn`] with the bound in
+/// bytes (`--max-in-flight-bytes`) instead of messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_partition_fills_the_global_byte_bound_and_holds_the_flush_lsn() {
+    stalled_partition_fills_the_bound(Bound::Bytes).await;
+}
+
+/// The content size (`sz`) of every outbox message a test_decoding slot saw, in WAL order.
+fn message_sizes(ob: &Outbox<'_>, slot: &str) -> Vec<u64> {
+    ob.sql(&format!(
+        "SELECT data FROM pg_logical_slot_peek_changes('{slot}', NULL, NULL) \
+         WHERE data LIKE 'message: transactional: 1 prefix: pgoutbox, sz: %'"
+    ))
+    .lines()
+    .map(|l| {
+        let sz = l.split("sz: ").nth(1).expect("sz");
+        sz[..sz.find(' ').expect("sz end")].parse().expect("a size")
+    })
+    .collect()
+}
+
+async fn stalled_partition_fills_the_bound(bound: Bound) {
     let pg = Postgres::shared();
     let server = FakeServer::start(FakeConfig::default(), |name| !name.ends_with(P0)).await;
     let ob = Outbox::new_without_queue(pg, &server.url(), "part_stall").await;
-    let instance = support::unique("part-stall");
-    let window = WINDOW.to_string();
-    let streamer = ob.run(&[
-        "--partitions",
-        "2",
-        "--instance-id",
-        &instance,
-        "--max-in-flight",
-        &window,
-        "--stall-after-s",
-        "1",
-    ]);
-    let long = scaled(Duration::from_secs(60));
-    let a = partition_connection(&server, &instance, P0, 0, long, || streamer.log()).await;
-    let b = partition_connection(&server, &instance, P1, 0, long, || streamer.log()).await;
+    // A second slot, only to read each message's content size (the bytes the window counts).
+    let peek = support::unique("part_stall_peek");
+    ob.sql(&format!(
+        "SELECT pg_create_logical_replication_slot('{peek}', 'test_decoding')"
+    ));
 
     let (ka, kb) = (key_on(0), key_on(1));
+    let mut order = Vec::new();
     let mut lsns = std::collections::BTreeMap::new();
     let mut put = |id: String, key: &str| {
         let lsn = emit(&ob, &id, key);
+        order.push(id.clone());
         lsns.insert(id, lsn);
     };
     put("b-0".into(), &kb);
@@ -133,9 +160,54 @@ async fn a_stalled_partition_fills_the_global_bound_and_holds_the_flush_lsn() {
         put(format!("b-{k}"), &kb);
     }
     let last = lsns["b-25"];
+    // Decoding reads only flushed WAL: wait until the WAL writer flushed all of it.
+    let mut sizes = Vec::new();
+    support::wait_until_blocking(scaled(Duration::from_secs(30)), || {
+        sizes = message_sizes(&ob, &peek);
+        sizes.len() >= order.len()
+    });
+    ob.sql(&format!("SELECT pg_drop_replication_slot('{peek}')"));
+    assert_eq!(sizes.len(), order.len(), "one size per message: {sizes:?}");
+    let size: std::collections::BTreeMap<&str, u64> = order
+        .iter()
+        .map(String::as_str)
+        .zip(sizes.iter().copied())
+        .collect();
 
-    // The bound is reached: A holds a-0 unconfirmed, B ran WINDOW - 1 ahead of it.
-    let b_at_bound = 2 + (WINDOW - 1);
+    // What fills the window: a-0 and the B messages after it up to b-{last_held}.
+    let (flags, last_held) = match bound {
+        Bound::Messages => (vec!["--max-in-flight".to_owned(), "8".to_owned()], 8),
+        Bound::Bytes => {
+            let bytes = size["a-0"]
+                + (2..=5)
+                    .map(|k| size[format!("b-{k}").as_str()])
+                    .sum::<u64>()
+                + 1;
+            (
+                vec!["--max-in-flight-bytes".to_owned(), bytes.to_string()],
+                6,
+            )
+        }
+    };
+    // Unacknowledged when full: a-0 and b-2..b-{last_held}.
+    let window = last_held;
+    let instance = support::unique("part-stall");
+    let mut args = vec![
+        "--partitions",
+        "2",
+        "--instance-id",
+        &instance,
+        "--stall-after-s",
+        "1",
+    ];
+    args.extend(flags.iter().map(String::as_str));
+    let streamer = ob.run(&args);
+    let long = scaled(Duration::from_secs(60));
+    let a = partition_connection(&server, &instance, P0, 0, long, || streamer.log()).await;
+    let b = partition_connection(&server, &instance, P1, 0, long, || streamer.log()).await;
+
+    // The bound is reached: A holds a-0 unconfirmed, B ran ahead to b-{last_held}.
+    let b_at_bound = last_held + 1;
     assert!(
         server
             .wait_until(long, || (!a.publishes().is_empty()
@@ -174,14 +246,14 @@ async fn a_stalled_partition_fills_the_global_bound_and_holds_the_flush_lsn() {
     );
     let stall = stalled_full(&streamer.log()).expect("the stall line");
     assert!(
-        stall.contains(&format!("unacknowledged={WINDOW}")),
-        "the full window is {WINDOW} unacknowledged: {stall}"
+        stall.contains(&format!("unacknowledged={window}")),
+        "the full window ({bound:?}) is {window} unacknowledged: {stall}"
     );
     assert_eq!(ids(&a), vec!["a-0".to_owned()], "A: its first message only");
     assert_eq!(
         ids(&b),
         range("b", 0, b_at_bound - 1),
-        "B ran ahead by the bound ({WINDOW} unacknowledged with a-0) and no further"
+        "B ran ahead by the bound ({bound:?}: {window} unacknowledged with a-0) and no further"
     );
     let flush = ob.confirmed_flush();
     assert!(
