@@ -5,6 +5,8 @@
 //! consumer) keeps each key on one queue, in order. The cluster spread (partition i starts
 //! at node i) is shown in `cluster::`.
 
+mod fake_broker;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 

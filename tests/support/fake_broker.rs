@@ -31,6 +31,12 @@
 //! between (section 4.2.6), a body is never longer than its header's `body_size`, nothing is
 //! published before `confirm.select`, and `tune-ok` asks for no more than the fake offered.
 //!
+//! One [`FakeBroker`] serves the first connection on its address. A [`FakeServer`] serves
+//! every connection on one address (one per partition under `run --partitions N`, new ones
+//! after a reconnect), each handed out as its own [`FakeBroker`], found by the client's
+//! `connection_name`; its connections can ack every publish on arrival (auto-ack, decided
+//! per connection name at start-ok, switched with [`FakeBroker::set_auto_ack`]).
+//!
 //! Sends are `async`: each returns once its bytes were written to the socket (one
 //! `write_all`, `TCP_NODELAY` set, so one write is one segment on loopback for these sizes).
 //! Waits are bounded by [`WAIT`] (scaled by `PGOUTBOX_TEST_SCALE`) and panic with what was
@@ -171,6 +177,12 @@ struct State {
     largest_frame: usize,
     /// The socket is closed (by the client, by us, or on an error).
     closed: bool,
+    /// Ack every publish as soon as its content is complete ([`FakeBroker::set_auto_ack`]).
+    auto_ack: bool,
+    /// The highest delivery tag the fake acked through (with `multiple`, or one by one in
+    /// auto-ack mode): every tag up to it is acked. Acks sent with [`FakeBroker::send_ack`]
+    /// are not counted.
+    acked_through: u64,
 }
 
 #[derive(Debug)]
@@ -185,6 +197,9 @@ struct Partial {
 struct Shared {
     state: Mutex<State>,
     changed: Notify,
+    /// The [`FakeServer`]'s notify, for a connection it accepted: its waits see every
+    /// connection's changes too.
+    server: Option<Arc<Notify>>,
 }
 
 impl Shared {
@@ -195,6 +210,9 @@ impl Shared {
     fn update<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
         let r = f(&mut self.lock());
         self.changed.notify_waiters();
+        if let Some(server) = &self.server {
+            server.notify_waiters();
+        }
         r
     }
 
@@ -213,6 +231,11 @@ enum Command {
     },
     StopHeartbeats,
     CloseSocket(oneshot::Sender<()>),
+    /// Auto-ack on or off; turning it on acks every publish received so far (one
+    /// `multiple` ack) when any is not acked through yet.
+    AutoAck(bool, oneshot::Sender<()>),
+    /// `basic.ack(tag, multiple)`, recorded in `acked_through`.
+    AckThrough(u64, oneshot::Sender<()>),
 }
 
 /// A fake broker serving one connection; the server task stops when this is dropped.
@@ -231,6 +254,8 @@ impl std::fmt::Debug for Command {
             Command::Write { bytes, .. } => write!(f, "Write({} bytes)", bytes.len()),
             Command::StopHeartbeats => write!(f, "StopHeartbeats"),
             Command::CloseSocket(_) => write!(f, "CloseSocket"),
+            Command::AutoAck(on, _) => write!(f, "AutoAck({on})"),
+            Command::AckThrough(tag, _) => write!(f, "AckThrough({tag})"),
         }
     }
 }
@@ -519,6 +544,175 @@ impl FakeBroker {
             let _ = closed.await;
         }
     }
+
+    /// The client's `connection_name` property (empty before start-ok or without one).
+    pub fn connection_name(&self) -> String {
+        self.shared
+            .lock()
+            .start_ok
+            .as_ref()
+            .map(connection_name)
+            .unwrap_or_default()
+    }
+
+    /// Turns auto-ack on or off: while on, every publish is acked (`basic.ack(tag)`) as
+    /// soon as its content is complete. Turning it on first acks, in one `multiple` ack,
+    /// every publish received so far that is not acked through yet. Returns once done.
+    ///
+    /// # Panics
+    /// When the connection is closed.
+    pub async fn set_auto_ack(&self, on: bool) {
+        let (done, written) = oneshot::channel();
+        self.commands
+            .send(Command::AutoAck(on, done))
+            .expect("fake broker: the server task is gone");
+        written
+            .await
+            .expect("fake broker: the connection closed before auto-ack was set");
+    }
+
+    /// `basic.ack(tag, multiple)`, recorded: [`FakeBroker::acked_through`] is then at
+    /// least `tag`. Returns once written.
+    ///
+    /// # Panics
+    /// When the connection is closed.
+    pub async fn ack_through(&self, tag: u64) {
+        let (done, written) = oneshot::channel();
+        self.commands
+            .send(Command::AckThrough(tag, done))
+            .expect("fake broker: the server task is gone");
+        written
+            .await
+            .expect("fake broker: the connection closed before the ack");
+    }
+
+    /// The highest tag the fake acked through ([`FakeBroker::ack_through`], auto-ack): every
+    /// publish with a tag up to it was acked. Acks of [`FakeBroker::send_ack`] are not
+    /// counted.
+    pub fn acked_through(&self) -> u64 {
+        self.shared.lock().acked_through
+    }
+}
+
+/// Whether a [`FakeServer`]'s connection starts in auto-ack mode, by the client's
+/// `connection_name` (decided at `start-ok`).
+pub type AutoAckPolicy = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+#[derive(Default)]
+struct ServerShared {
+    /// Every connection accepted, in accept order.
+    connections: Mutex<Vec<Arc<FakeBroker>>>,
+    /// Notified on every accept and on every change of any connection's state.
+    changed: Arc<Notify>,
+}
+
+/// A fake broker that accepts any number of connections on one address (`run --partitions
+/// N` opens one per partition, and again after a reconnect), each served as by
+/// [`FakeBroker`] and handed out as one: a test finds a connection by the client's
+/// `connection_name` ([`FakeServer::wait_connection`]) and scripts or inspects it alone.
+///
+/// Connections start acking every publish on arrival or not, as the [`AutoAckPolicy`]
+/// given at start says for their name; [`FakeBroker::set_auto_ack`] changes it per
+/// connection. The accept loop and every connection stop when this is dropped (and the
+/// handles given out are dropped).
+pub struct FakeServer {
+    addr: SocketAddr,
+    shared: Arc<ServerShared>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for FakeServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeServer")
+            .field("addr", &self.addr)
+            .field("connections", &self.connections().len())
+            .finish()
+    }
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FakeServer {
+    /// Binds `127.0.0.1:0` and serves every connection accepted there with `config`, each
+    /// in auto-ack mode when `auto_ack(connection_name)` is true.
+    pub async fn start(
+        config: FakeConfig,
+        auto_ack: impl Fn(&str) -> bool + Send + Sync + 'static,
+    ) -> FakeServer {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("local_addr");
+        let shared = Arc::new(ServerShared::default());
+        let task = tokio::spawn(accept_all(
+            listener,
+            config,
+            Arc::new(auto_ack),
+            shared.clone(),
+        ));
+        FakeServer { addr, shared, task }
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f`.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// Every connection accepted so far, in accept order.
+    pub fn connections(&self) -> Vec<Arc<FakeBroker>> {
+        self.shared
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The connections whose client `connection_name` contains `needle`, in accept order.
+    pub fn named(&self, needle: &str) -> Vec<Arc<FakeBroker>> {
+        self.connections()
+            .into_iter()
+            .filter(|c| c.connection_name().contains(needle))
+            .collect()
+    }
+
+    /// Waits up to `timeout` until the `nth` (from 0, in accept order) connection whose
+    /// client `connection_name` contains `needle` completed the handshake
+    /// ([`FakeBroker::is_ready`]), and returns it; `None` on timeout.
+    pub async fn wait_connection(
+        &self,
+        needle: &str,
+        nth: usize,
+        timeout: Duration,
+    ) -> Option<Arc<FakeBroker>> {
+        self.wait_until(timeout, || {
+            self.named(needle)
+                .get(nth)
+                .filter(|c| c.is_ready())
+                .cloned()
+        })
+        .await
+    }
+
+    /// Waits up to `timeout` until `f` (evaluated on every change of any connection)
+    /// returns something; the last evaluation's result at the deadline otherwise.
+    pub async fn wait_until<R>(&self, timeout: Duration, f: impl Fn() -> Option<R>) -> Option<R> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(r) = f() {
+                return Some(r);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return f();
+            }
+        }
+    }
 }
 
 /// A method frame.
@@ -661,15 +855,72 @@ async fn serve(
     listener: TcpListener,
     config: FakeConfig,
     shared: Arc<Shared>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
+    commands: mpsc::UnboundedReceiver<Command>,
 ) {
     let Ok((socket, _)) = listener.accept().await else {
         return;
     };
     drop(listener);
-    let mut conn = Conn::new(socket, config, shared.clone());
+    serve_connection(socket, config, shared, commands, None).await;
+}
+
+/// Serves one accepted connection until either side closes.
+async fn serve_connection(
+    socket: TcpStream,
+    config: FakeConfig,
+    shared: Arc<Shared>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    auto_ack_policy: Option<AutoAckPolicy>,
+) {
+    let mut conn = Conn::new(socket, config, shared.clone(), auto_ack_policy);
     conn.run(&mut commands).await;
     shared.update(|s| s.closed = true);
+}
+
+/// A [`FakeServer`]'s accept loop: every connection gets its own [`FakeBroker`] handle.
+async fn accept_all(
+    listener: TcpListener,
+    config: FakeConfig,
+    auto_ack_policy: AutoAckPolicy,
+    server: Arc<ServerShared>,
+) {
+    let addr = listener.local_addr().expect("local_addr");
+    while let Ok((socket, _)) = listener.accept().await {
+        let shared = Arc::new(Shared {
+            server: Some(server.changed.clone()),
+            ..Shared::default()
+        });
+        let (commands, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(serve_connection(
+            socket,
+            config,
+            shared.clone(),
+            rx,
+            Some(auto_ack_policy.clone()),
+        ));
+        let broker = Arc::new(FakeBroker {
+            addr,
+            config,
+            shared,
+            commands,
+            task,
+        });
+        server
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(broker);
+        server.changed.notify_waiters();
+    }
+}
+
+/// The `connection_name` client property of `start_ok` (empty when absent).
+fn connection_name(start_ok: &connection::StartOk) -> String {
+    match start_ok.client_properties.inner().get("connection_name") {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        Some(AMQPValue::ShortString(s)) => s.as_str().to_owned(),
+        _ => String::new(),
+    }
 }
 
 struct Conn {
@@ -685,6 +936,9 @@ struct Conn {
     channel: u16,
     /// We sent connection.close and wait for close-ok.
     closing: bool,
+    /// Whether to start in auto-ack mode, by the client's connection name (a
+    /// [`FakeServer`]'s connections).
+    auto_ack_policy: Option<AutoAckPolicy>,
 }
 
 /// What handling a frame asks of the loop.
@@ -694,7 +948,12 @@ enum Next {
 }
 
 impl Conn {
-    fn new(socket: TcpStream, config: FakeConfig, shared: Arc<Shared>) -> Conn {
+    fn new(
+        socket: TcpStream,
+        config: FakeConfig,
+        shared: Arc<Shared>,
+        auto_ack_policy: Option<AutoAckPolicy>,
+    ) -> Conn {
         let _ = socket.set_nodelay(true);
         let (reader, writer) = socket.into_split();
         Conn {
@@ -707,6 +966,7 @@ impl Conn {
             heartbeats_on: false,
             channel: DEFAULT_CHANNEL,
             closing: false,
+            auto_ack_policy,
         }
     }
 
@@ -773,6 +1033,29 @@ impl Conn {
                         let _ = done.send(());
                     }
                     Some(Command::StopHeartbeats) => self.heartbeats_on = false,
+                    Some(Command::AutoAck(on, done)) => {
+                        let through = self.shared.update(|s| {
+                            s.auto_ack = on;
+                            let last = s.publishes.len() as u64;
+                            (on && last > s.acked_through).then(|| {
+                                s.acked_through = last;
+                                last
+                            })
+                        });
+                        if let Some(tag) = through {
+                            if !self.write(&[ack(tag, true)]).await {
+                                return;
+                            }
+                        }
+                        let _ = done.send(());
+                    }
+                    Some(Command::AckThrough(tag, done)) => {
+                        self.shared.update(|s| s.acked_through = s.acked_through.max(tag));
+                        if !self.write(&[ack(tag, true)]).await {
+                            return;
+                        }
+                        let _ = done.send(());
+                    }
                     Some(Command::CloseSocket(done)) => {
                         // FIN after everything written. Keep reading (and discarding) until
                         // the client closes too: closing a socket with unread bytes would
@@ -850,12 +1133,12 @@ impl Conn {
                 Next::Continue
             }
             AMQPFrame::Header(ch, header) => {
-                self.content_header(ch, header);
-                Next::Continue
+                let completed = self.content_header(ch, header);
+                self.auto_ack(completed).await
             }
             AMQPFrame::Body(ch, part) => {
-                self.content_body(ch, part);
-                Next::Continue
+                let completed = self.content_body(ch, part);
+                self.auto_ack(completed).await
             }
             AMQPFrame::Method(ch, AMQPClass::Basic(basic::AMQPMethod::Publish(p))) => {
                 let confirming = self.shared.lock().confirming;
@@ -893,7 +1176,16 @@ impl Conn {
                 }
                 match class {
                     AMQPClass::Connection(C::StartOk(start_ok)) => {
-                        self.shared.update(|s| s.start_ok = Some(start_ok));
+                        let auto_ack = self
+                            .auto_ack_policy
+                            .as_ref()
+                            .map(|policy| policy(&connection_name(&start_ok)));
+                        self.shared.update(|s| {
+                            s.start_ok = Some(start_ok);
+                            if let Some(on) = auto_ack {
+                                s.auto_ack = on;
+                            }
+                        });
                         if self.config.script == Script::RefuseLogin {
                             self.closing = true;
                             let text = "ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN. For details see the broker logfile.";
@@ -1032,6 +1324,14 @@ impl Conn {
         }
     }
 
+    /// Acks `completed` (a publish just received, in auto-ack mode).
+    async fn auto_ack(&mut self, completed: Option<u64>) -> Next {
+        match completed {
+            Some(tag) => self.reply(&[ack(tag, false)]).await,
+            None => Next::Continue,
+        }
+    }
+
     async fn reply(&mut self, frames: &[AMQPFrame]) -> Next {
         if self.write(frames).await {
             Next::Continue
@@ -1044,34 +1344,38 @@ impl Conn {
         self.shared.update(|s| s.methods.push((ch, class)));
     }
 
-    fn content_header(&self, ch: u16, header: AMQPContentHeader) {
+    /// Records a content header; returns the publish's tag when it completed it and it is to
+    /// be acked now.
+    fn content_header(&self, ch: u16, header: AMQPContentHeader) -> Option<u64> {
         self.shared.update(|s| {
             let Some(partial) = s.partial.as_mut().filter(|p| p.header.is_none()) else {
                 s.violations.push(format!(
                     "content header on channel {ch} without a basic.publish before it"
                 ));
-                return;
+                return None;
             };
             let size = header.body_size;
             partial.header = Some(header);
             if size == 0 {
-                complete(s);
+                return complete(s);
             }
-        });
+            None
+        })
     }
 
-    fn content_body(&self, ch: u16, part: Vec<u8>) {
+    /// Records a body frame; as [`Conn::content_header`].
+    fn content_body(&self, ch: u16, part: Vec<u8>) -> Option<u64> {
         self.shared.update(|s| {
             let Some(partial) = s.partial.as_mut() else {
                 s.violations.push(format!(
                     "content body on channel {ch} without a basic.publish"
                 ));
-                return;
+                return None;
             };
             let Some(size) = partial.header.as_ref().map(|h| h.body_size) else {
                 s.violations
                     .push("content body before its content header".into());
-                return;
+                return None;
             };
             partial.body.extend_from_slice(&part);
             partial.body_frames += 1;
@@ -1082,16 +1386,18 @@ impl Conn {
                 ));
                 s.partial = None;
             } else if got == size {
-                complete(s);
+                return complete(s);
             }
-        });
+            None
+        })
     }
 }
 
-/// The content of `s.partial` is complete: record it as the next delivery tag.
-fn complete(s: &mut State) {
-    let Some(p) = s.partial.take() else { return };
-    let Some(header) = p.header else { return };
+/// The content of `s.partial` is complete: record it as the next delivery tag. Returns
+/// that tag when it is to be acked now (auto-ack mode), recording it as acked through.
+fn complete(s: &mut State) -> Option<u64> {
+    let p = s.partial.take()?;
+    let header = p.header?;
     let lsn = header_text(&header.properties, LSN_HEADER);
     let message_id = header
         .properties
@@ -1108,6 +1414,11 @@ fn complete(s: &mut State) {
         lsn,
         message_id,
     });
+    if s.auto_ack {
+        s.acked_through = delivery_tag;
+        return Some(delivery_tag);
+    }
+    None
 }
 
 /// Server properties like RabbitMQ's: product, version and the capabilities a confirming
