@@ -44,24 +44,32 @@ fn flush_wal(ob: &Outbox<'_>) {
 
 #[test]
 fn age_with_a_multibyte_unit_is_a_usage_error_not_a_panic() {
-    for age in ["7é", "30日", "é", "36501d"] {
-        let out = pgoutbox(&[
+    let purge = |age: &str| {
+        pgoutbox(&[
             "dead-letters",
             "purge",
             "--older-than",
             age,
             "--database-url",
             "postgres://u@127.0.0.1:1/db",
-        ]);
-        let (code, err) = outcome(&out);
+        ])
+    };
+    for age in ["7é", "30日", "é", "36501d"] {
+        let (code, err) = outcome(&purge(age));
         assert_eq!(code, Some(2), "{age}: {err}");
         assert!(!err.contains("panicked"), "{age}: {err}");
         assert!(
             err.contains(&format!(
                 "invalid value '{age}' for '--older-than <OLDER_THAN>'"
-            )) && err.contains("write a whole number with unit s, m, h or d (e.g. 7d)"),
+            )) && err.contains("write a duration such as 7d, 1w or 36h"),
             "{age}: {err}"
         );
+    }
+    // The syntax of the retention flags: past the arguments, to the (refused) connection.
+    for age in ["1w", "36h", "90d", "1h 30m"] {
+        let (code, err) = outcome(&purge(age));
+        assert_eq!(code, Some(1), "{age}: {err}");
+        assert!(!err.contains("--older-than"), "{age}: {err}");
     }
 }
 
