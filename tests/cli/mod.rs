@@ -73,6 +73,63 @@ fn age_with_a_multibyte_unit_is_a_usage_error_not_a_panic() {
     }
 }
 
+/// Connection-string mistakes name the setting, the value and the fix, never the password:
+/// a password file for a URL that has one (the file is the value, the URL is named
+/// redacted), an unknown parameter, a port that is not a number.
+#[test]
+fn connection_string_errors_name_the_parameter_the_value_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pw");
+    std::fs::write(&file, "Fr0m-the-file\n").unwrap();
+    let file = file.display().to_string();
+    let cases: [(&[&str], &[&str]); 4] = [
+        (
+            &[
+                "--database-url",
+                "postgres://u:Old-pw@127.0.0.1:1/db",
+                "--database-password-file",
+                &file,
+            ],
+            &[
+                &format!("--database-password-file (PGOUTBOX_DATABASE_PASSWORD_FILE) = {file:?}"),
+                "--database-url postgres://u:***@127.0.0.1:1/db already has a password",
+                "remove it from --database-url, or drop --database-password-file",
+            ],
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://u:Old-pw@127.0.0.1:1/db?foo=bar",
+            ],
+            &["unknown parameter foo=\"bar\"", "remove it or fix its name"],
+        ),
+        (
+            &["--database-url", "postgres://u:Old-pw@127.0.0.1:abc/db"],
+            &["port=\"abc\" is not a valid port: write a port number from 1 to 65535"],
+        ),
+        (
+            &[
+                "--database-url",
+                "host=127.0.0.1 user=u password=Old-pw port=abc",
+            ],
+            &["port=\"abc\" is not a valid port"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let mut argv = vec!["status", "--slot", "s"];
+        argv.extend_from_slice(args);
+        let (code, err) = outcome(&pgoutbox(&argv));
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        for want in wants {
+            assert!(err.contains(want), "{args:?}: no {want:?} in {err}");
+        }
+        assert!(
+            !err.contains("Old-pw") && !err.contains("Fr0m-the-file"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_shutdown_timeout_is_refused_before_run_starts() {
     let pg = Postgres::shared();
