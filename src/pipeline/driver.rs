@@ -178,11 +178,14 @@ pub async fn run(
     let _server = serve_http(&config, &telemetry).await?;
     let mut memory = first_memory(&config);
     // Both background tasks have their own SQL session and never hold back the stream.
+    // Retention starts once a session's pre-flight checks passed (see session::connect).
+    let (preflight_passed, preflight_rx) = watch::channel(false);
     let _retention = RetentionTask::start(
         config.postgres.retention,
         &pg,
         &config.postgres.schema,
         &telemetry,
+        preflight_rx,
     );
     let journal = JournalWriter::start(
         config.observability.journal,
@@ -199,6 +202,7 @@ pub async fn run(
         pg: &pg,
         telemetry: &telemetry,
         journal: journal.handle(),
+        preflight_passed,
     };
     let result = sessions.reconnecting(&mut memory, &mut shutdown).await;
     // The journal's last rows (the messages are settled whatever happens to them).
@@ -214,6 +218,9 @@ struct Sessions<'a> {
     sinks: SinkChoice,
     telemetry: &'a Arc<Telemetry>,
     journal: JournalHandle,
+    /// Turned true by the first session whose pre-flight checks pass; the retention task
+    /// waits for it.
+    preflight_passed: watch::Sender<bool>,
 }
 
 /// The end of a run whose last session failed (retryably) during shutdown: an interrupted
@@ -294,8 +301,14 @@ impl Sessions<'_> {
     ) -> Result<(), Error> {
         memory.unsettled_at_end = 0;
         self.telemetry.set_phase(Phase::Connecting);
-        let connecting =
-            session::connect(self.config, self.pg, &self.sinks, memory, self.telemetry);
+        let connecting = session::connect(
+            self.config,
+            self.pg,
+            &self.sinks,
+            memory,
+            self.telemetry,
+            &self.preflight_passed,
+        );
         let connected = tokio::select! {
             biased;
             _ = shutdown_requested(&mut shutdown) => {
