@@ -463,7 +463,9 @@ pub struct PeekArgs {
     /// At most this many messages (1 to 10000).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub limit: i64,
-    /// Show the payloads too (as UTF-8 text; they may hold personal data).
+    /// Show the payloads too (they may hold personal data): a UTF-8 payload as its text,
+    /// any other as base64, marked `payload (base64, not UTF-8):` (in --json,
+    /// `payload_encoding` is `utf-8` or `base64`).
     #[arg(long)]
     pub payload: bool,
     /// Print JSON (one object with a `messages` array).

@@ -335,6 +335,45 @@ async fn status_is_critical_for_a_missing_publication_or_slot() {
 /// payloads only with --payload, at most --limit, consumes nothing (the streamer delivers
 /// all of them afterwards, with the LSNs peek showed), and names the holder while a streamer
 /// holds the slot.
+/// `peek --payload` shows a UTF-8 payload as text and any other as base64, saying which
+/// (`payload_encoding`; in text, `payload (base64, not UTF-8):`), so bytes are never
+/// mangled into U+FFFD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peek_shows_a_binary_payload_as_base64() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_peek_bin").await;
+    ob.sql("SELECT outbox.emit_bytes('pk.bin', '\\x00ff80fe'::bytea, 'application/octet-stream', '{}', 'bin-1')");
+    ob.sql("SELECT outbox.emit_bytes('pk.txt', convert_to('grüße', 'UTF8'), 'text/plain', '{}', 'txt-1')");
+    flush_wal(&ob);
+    let (code, json, err) = peek(&ob, &["--payload"]);
+    assert_eq!(code, Some(0), "{err}");
+    let msgs = json["messages"].as_array().expect("messages");
+    assert_eq!(msgs.len(), 2, "{json}");
+    assert_eq!(msgs[0]["payload"], "AP+A/g==", "{json}");
+    assert_eq!(msgs[0]["payload_encoding"], "base64", "{json}");
+    assert_eq!(msgs[0]["payload_bytes"], 4, "{json}");
+    assert_eq!(msgs[1]["payload"], "grüße", "{json}");
+    assert_eq!(msgs[1]["payload_encoding"], "utf-8", "{json}");
+    let out = cmd(
+        &ob,
+        &["peek", "--payload", "--publication", &ob.publication],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("  payload (base64, not UTF-8): AP+A/g==\n")
+            && text.contains("  payload: grüße\n"),
+        "{text}"
+    );
+    // Without --payload, neither.
+    let (_, json, _) = peek(&ob, &[]);
+    for m in json["messages"].as_array().expect("messages") {
+        assert!(
+            m.get("payload").is_none() && m.get("payload_encoding").is_none(),
+            "{m}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peek_lists_waiting_messages_without_consuming_them() {
     let pg = Postgres::shared();
