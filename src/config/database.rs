@@ -288,6 +288,10 @@ pub struct DatabaseConfig {
     pub pg: tokio_postgres::Config,
     /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `channel_binding` with libpq's meanings.
     pub tls: PostgresTls,
+    /// The `application_name` of pgoutbox's ordinary SQL sessions when the connection
+    /// string sets none (`run`: `pgoutbox-ID` with its instance id); `None`: `pgoutbox`
+    /// (see [`crate::postgres::connect`]).
+    pub session_name: Option<String>,
 }
 
 impl std::ops::Deref for DatabaseConfig {
@@ -347,7 +351,11 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
         ChannelBindingMode::Prefer => tokio_postgres::config::ChannelBinding::Prefer,
         ChannelBindingMode::Require => tokio_postgres::config::ChannelBinding::Require,
     });
-    Ok(DatabaseConfig { pg: config, tls })
+    Ok(DatabaseConfig {
+        pg: config,
+        tls,
+        session_name: None,
+    })
 }
 
 /// The parameters tokio-postgres reads besides the TLS ones ([`split_tls_parameters`]),

@@ -173,7 +173,11 @@ pub async fn run(
     config: RunConfig,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<RunSummary, Error> {
-    let pg = config.postgres.database.clone();
+    let mut pg = config.postgres.database.clone();
+    // The SQL sessions carry the instance id, as the replication session does.
+    pg.session_name = Some(crate::postgres::application_name(
+        &config.observability.instance_id,
+    ));
     let telemetry = Telemetry::new(config.observability.stall_after);
     let _server = serve_http(&config, &telemetry).await?;
     let mut memory = first_memory(&config);
