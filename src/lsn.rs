@@ -3,6 +3,26 @@
 //! An LSN is a 64-bit byte offset into the WAL. PostgreSQL prints it as two hexadecimal
 //! halves, `X/Y` (high 32 bits / low 32 bits), as in `pg_current_wal_lsn()` and
 //! `pg_replication_slots.confirmed_flush_lsn`. See the PostgreSQL docs, "pg_lsn Type".
+//!
+//! # Why not tokio-postgres' `PgLsn`
+//!
+//! `tokio_postgres::types::PgLsn` is the same `u64` with the same `X/Y` text, and we keep
+//! our own type because it does what that one does not:
+//! - **It parses as PostgreSQL does** (`pg_lsn_in`: 1 to 8 hex digits, `/`, 1 to 8 hex
+//!   digits, nothing else), and the error names the text. `PgLsn` reads each half as a
+//!   `u64` and ORs them: `0/100000000` becomes `1/0`, `1FFFFFFFF/0` loses its top bit,
+//!   `+1/0` is accepted, and its error says nothing. An LSN read back from a header, a
+//!   dead letter or an operator must be the position that was written, or be refused
+//!   (`pg_lsn_reads_what_postgres_refuses` below pins the difference).
+//! - **Arithmetic and the traits the watermark needs**: [`Lsn::bytes_since`] (lag in
+//!   bytes), [`Lsn::ZERO`], `Default` and `Hash` (`PgLsn` has neither, and its field is
+//!   private: no `const` such as `ZERO`, no pattern).
+//! - **No dependency in the pure layers**: `pgoutput`, `watermark`, `lockdown`,
+//!   `partition` and the replication framing hold LSNs without importing the Postgres
+//!   client crate.
+//!
+//! What `PgLsn` has that we do not need: `ToSql`/`FromSql` for `pg_lsn`. Our SQL passes
+//! LSNs as text (`$1::text::pg_lsn`, `lsn::text`), where PostgreSQL's own parser checks them.
 
 use std::fmt;
 use std::str::FromStr;
@@ -39,17 +59,19 @@ pub struct ParseLsnError {
 impl FromStr for Lsn {
     type Err = ParseLsnError;
 
-    /// Parses PostgreSQL's `X/Y` form (each half 1 to 8 hex digits).
+    /// Parses PostgreSQL's `X/Y` form (each half 1 to 8 hex digits), as `pg_lsn_in` does.
     ///
     /// # Errors
-    /// [`ParseLsnError`] when there is no `/`, a half is empty, longer than 8 digits or not hex.
+    /// [`ParseLsnError`] when there is no `/`, a half is empty, longer than 8 digits or has
+    /// anything but hex digits (no sign, space or `0x`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let err = || ParseLsnError {
             input: s.to_owned(),
         };
         let (hi, lo) = s.split_once('/').ok_or_else(err)?;
         let half = |h: &str| {
-            if h.is_empty() || h.len() > 8 {
+            // from_str_radix alone would take a leading `+`.
+            if h.is_empty() || h.len() > 8 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(err());
             }
             u32::from_str_radix(h, 16).map_err(|_| err())
@@ -73,8 +95,40 @@ mod tests {
 
     #[test]
     fn rejects_malformed_text() {
-        for bad in ["", "0", "/0", "0/", "g/0", "123456789/0", "0/0/0"] {
+        for bad in [
+            "",
+            "0",
+            "/0",
+            "0/",
+            "g/0",
+            "123456789/0",
+            "0/0/0",
+            "+1/0",
+            "0/+1",
+            "-0/0",
+            " 1/0",
+            "1/0 ",
+            "0x1/0",
+        ] {
             assert!(bad.parse::<Lsn>().is_err(), "{bad} should not parse");
+        }
+    }
+
+    /// Why this type is ours (see the module doc): tokio-postgres' `PgLsn` reads these
+    /// texts, which PostgreSQL refuses, as some other position. If this test fails,
+    /// `PgLsn` has become as strict as PostgreSQL: reconsider using it.
+    #[test]
+    fn pg_lsn_reads_what_postgres_refuses() {
+        use tokio_postgres::types::PgLsn;
+        for (text, as_pg_lsn) in [
+            ("0/100000000", 0x1_0000_0000u64),
+            ("1FFFFFFFF/0", 0xFFFF_FFFF_0000_0000),
+            ("+1/0", 0x1_0000_0000),
+        ] {
+            let got = text.parse::<PgLsn>().map(u64::from).ok();
+            assert_eq!(got, Some(as_pg_lsn), "PgLsn now reads {text:?} as {got:?}");
+            let e = text.parse::<Lsn>().unwrap_err();
+            assert!(e.to_string().contains(&format!("{text:?}")), "{e}");
         }
     }
 

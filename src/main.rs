@@ -826,8 +826,12 @@ async fn peek(args: pgoutbox::cli::PeekArgs) -> Result<(), Error> {
                 .map(|err| format!("  undecodable: {err}"))
                 .unwrap_or_default(),
         );
-        if let Some(p) = &e.payload {
-            println!("  payload: {p}");
+        match (&e.payload, e.payload_encoding) {
+            (Some(p), Some(admin::PayloadEncoding::Base64)) => {
+                println!("  payload (base64, not UTF-8): {p}");
+            }
+            (Some(p), _) => println!("  payload: {p}"),
+            (None, _) => {}
         }
     }
     if report.more {

@@ -110,7 +110,7 @@ pub fn read_secret_file(setting: &'static str, path: &Path) -> Result<String, Va
 /// [`ValidationError`]: neither or both of the string and its file, an unreadable file, a
 /// password file for a connection string that already has a password or no user.
 pub fn resolve(target: Target, sources: &Sources) -> Result<String, ValidationError> {
-    let url = match (&sources.url, &sources.url_file) {
+    let (url, url_flag) = match (&sources.url, &sources.url_file) {
         (Some(_), Some(file)) => {
             return Err(ValidationError {
                 setting: target.file_flag(),
@@ -121,8 +121,11 @@ pub fn resolve(target: Target, sources: &Sources) -> Result<String, ValidationEr
                 ),
             })
         }
-        (Some(url), None) => url.0.clone(),
-        (None, Some(file)) => read_secret_file(target.file_flag(), file)?,
+        (Some(url), None) => (url.0.clone(), target.url_flag()),
+        (None, Some(file)) => (
+            read_secret_file(target.file_flag(), file)?,
+            target.file_flag(),
+        ),
         (None, None) => {
             return Err(ValidationError {
                 setting: target.url_flag(),
@@ -138,11 +141,19 @@ pub fn resolve(target: Target, sources: &Sources) -> Result<String, ValidationEr
     match &sources.password_file {
         None => Ok(url),
         Some(file) => {
-            let password = read_secret_file(target.password_flag(), file)?;
-            match target {
-                Target::Postgres => with_postgres_password(&url, &password),
-                Target::Amqp => with_url_password(target, &url, &password),
+            if has_password(&url) {
+                return Err(ValidationError {
+                    setting: target.password_flag(),
+                    value: file.display().to_string(),
+                    rule: format!(
+                        "{url_flag} {} already has a password; give the password one way only: remove it from {url_flag}, or drop {}",
+                        redact_url(&url),
+                        target.password_flag()
+                    ),
+                });
             }
+            let password = read_secret_file(target.password_flag(), file)?;
+            add_password(target, url_flag, &url, &password)
         }
     }
 }
@@ -172,53 +183,49 @@ fn is_url(conn: &str) -> bool {
 /// `password='...'` with `\` and `'` escaped, as libpq reads it.
 ///
 /// # Errors
-/// [`ValidationError`] for `--database-password-file` when the string already has a
-/// password or does not parse.
+/// [`ValidationError`] for `--database-url` (its value redacted) when the string already
+/// has a password or does not parse.
 pub fn with_postgres_password(conn: &str, password: &str) -> Result<String, ValidationError> {
-    if is_url(conn) {
-        return with_url_password(Target::Postgres, conn, password);
-    }
-    let conflict = ValidationError {
-        setting: Target::Postgres.password_flag(),
-        value: redact_url(conn),
-        rule: format!(
-            "{} already has a password; give it one way only",
-            Target::Postgres.url_flag()
-        ),
-    };
-    if has_password(conn) {
-        return Err(conflict);
-    }
-    let quoted = password.replace('\\', "\\\\").replace('\'', "\\'");
-    Ok(format!("{conn} password='{quoted}'"))
+    add_password(
+        Target::Postgres,
+        Target::Postgres.url_flag(),
+        conn,
+        password,
+    )
 }
 
-fn with_url_password(
+/// `conn` with `password` added ([`with_postgres_password`] for Postgres, the userinfo of
+/// an `amqp://` URL). `url_flag` is where `conn` came from (the URL's flag or its file's),
+/// named in the error with `conn` redacted; the rule names the password's flag.
+fn add_password(
     target: Target,
+    url_flag: &'static str,
     conn: &str,
     password: &str,
 ) -> Result<String, ValidationError> {
+    let password_flag = target.password_flag();
     let bad = |rule: String| ValidationError {
-        setting: target.password_flag(),
+        setting: url_flag,
         value: redact_url(conn),
         rule,
     };
-    let mut u = url::Url::parse(conn).map_err(|e| {
-        bad(format!(
-            "{} is not a URL ({e}), so the password cannot be put into it",
-            target.url_flag()
-        ))
-    })?;
     if has_password(conn) {
         return Err(bad(format!(
-            "{} already has a password; give it one way only",
-            target.url_flag()
+            "already has a password, and {password_flag} gives one too; give the password one way only: remove it from {url_flag}, or drop {password_flag}"
         )));
     }
+    if target == Target::Postgres && !is_url(conn) {
+        let quoted = password.replace('\\', "\\\\").replace('\'', "\\'");
+        return Ok(format!("{conn} password='{quoted}'"));
+    }
+    let mut u = url::Url::parse(conn).map_err(|e| {
+        bad(format!(
+            "not a URL ({e}), so the password of {password_flag} cannot be put into it"
+        ))
+    })?;
     if u.username().is_empty() && target == Target::Amqp {
         return Err(bad(format!(
-            "{} names no user for the password; write amqp://USER@host/...",
-            target.url_flag()
+            "names no user for the password of {password_flag}; write amqp://USER@host/..."
         )));
     }
     // Without a user in the userinfo (it may be a `user=` parameter) or without a host,
@@ -238,8 +245,7 @@ fn with_url_password(
             u.set_query(Some(&query));
         } else {
             return Err(bad(format!(
-                "{} has no host, so it cannot carry a password",
-                target.url_flag()
+                "has no host, so it cannot carry the password of {password_flag}"
             )));
         }
     }
@@ -418,7 +424,7 @@ mod tests {
         let kv = with_postgres_password("host=h user=u dbname=db", PW).unwrap();
         let parsed: tokio_postgres::Config = kv.parse().unwrap();
         assert_eq!(parsed.get_password(), Some(PW.as_bytes()));
-        let amqp = with_url_password(Target::Amqp, "amqp://g@h:5672/%2f", PW).unwrap();
+        let amqp = add_password(Target::Amqp, "--amqp-url", "amqp://g@h:5672/%2f", PW).unwrap();
         let parsed = url::Url::parse(&amqp).unwrap();
         let password = percent_encoding::percent_decode_str(parsed.password().unwrap())
             .decode_utf8()
@@ -432,15 +438,63 @@ mod tests {
         ] {
             let e = match target {
                 Target::Postgres => with_postgres_password(conn, PW),
-                Target::Amqp => with_url_password(target, conn, PW),
+                Target::Amqp => add_password(target, "--amqp-url", conn, PW),
             }
             .unwrap_err()
             .to_string();
             assert!(e.contains("already has a password"), "{e}");
             assert!(!e.contains("old") && !e.contains("Tr0ub4dor"), "{e}");
         }
-        let e = with_url_password(Target::Amqp, "amqp://h/%2f", PW).unwrap_err();
+        let e = add_password(Target::Amqp, "--amqp-url", "amqp://h/%2f", PW).unwrap_err();
         assert!(e.to_string().contains("no user"), "{e}");
+    }
+
+    #[test]
+    fn password_file_conflict_names_the_file_the_url_and_the_fix() {
+        let file = temp_file("pw", &format!("{PW}\n"));
+        let path = file.display().to_string();
+        for (target, conn, shown) in [
+            (
+                Target::Postgres,
+                "postgres://u:old@h/db",
+                "--database-url postgres://u:***@h/db",
+            ),
+            (
+                Target::Postgres,
+                "host=h user=u password=old",
+                "--database-url <redacted connection string>",
+            ),
+            (
+                Target::Amqp,
+                "amqp://g:old@h/%2f",
+                "--amqp-url amqp://g:***@h/%2f",
+            ),
+        ] {
+            let sources = Sources {
+                url: Some(Secret(conn.into())),
+                url_file: None,
+                password_file: Some(file.clone()),
+            };
+            let e = resolve(target, &sources).unwrap_err().to_string();
+            let flag = target.password_flag();
+            let env = crate::validation::env_of(flag).unwrap();
+            assert!(
+                e.starts_with(&format!("invalid setting {flag} ({env}) = {path:?}:")),
+                "{e}"
+            );
+            assert!(
+                e.contains(&format!("{shown} already has a password")),
+                "{e}"
+            );
+            assert!(
+                e.contains(&format!(
+                    "remove it from {}, or drop {flag}",
+                    target.url_flag()
+                )),
+                "{e}"
+            );
+            assert!(!e.contains("old") && !e.contains("Tr0ub4dor"), "{e}");
+        }
     }
 
     #[test]

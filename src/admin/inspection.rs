@@ -622,9 +622,13 @@ pub struct WaitingEnvelope {
     pub emitted_by: Option<String>,
     /// Payload size in bytes.
     pub payload_bytes: Option<usize>,
-    /// The payload as UTF-8 text (lossy), only when asked for.
+    /// The payload, only when asked for: as text when it is UTF-8, else base64 (RFC 4648,
+    /// standard alphabet, padded); [`WaitingEnvelope::payload_encoding`] says which.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
+    /// How [`WaitingEnvelope::payload`] is written, with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_encoding: Option<PayloadEncoding>,
     /// Why the content is no valid envelope.
     pub decode_error: Option<String>,
 }
@@ -647,6 +651,30 @@ pub enum Payloads {
     Omit,
     /// Payload text too.
     Include,
+}
+
+/// How `peek --payload` writes a payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum PayloadEncoding {
+    /// The payload is UTF-8: shown as the text it is.
+    #[serde(rename = "utf-8")]
+    Utf8,
+    /// The payload is not UTF-8 (binary, or another charset): shown as base64 so that no
+    /// byte is lost or replaced.
+    #[serde(rename = "base64")]
+    Base64,
+}
+
+/// A payload as `peek --payload` shows it: its text when it is UTF-8, else base64.
+fn shown_payload(payload: &[u8]) -> (String, PayloadEncoding) {
+    use base64::Engine;
+    match std::str::from_utf8(payload) {
+        Ok(text) => (text.to_owned(), PayloadEncoding::Utf8),
+        Err(_) => (
+            base64::engine::general_purpose::STANDARD.encode(payload),
+            PayloadEncoding::Base64,
+        ),
+    }
 }
 
 /// The first `limit` outbox messages waiting in the slot, without consuming them
@@ -809,20 +837,29 @@ fn held_by(status: &SlotStatus) -> Error {
 
 fn describe_envelope(content: bytes::Bytes, payloads: Payloads) -> WaitingEnvelope {
     match crate::envelope::decode(content) {
-        Ok(env) => WaitingEnvelope {
-            envelope_version: Some(env.version),
-            message_id: Some(env.message_id),
-            topic: Some(env.topic),
-            content_type: Some(env.content_type),
-            headers: Some(env.headers),
-            exchange: env.exchange,
-            metadata: Some(env.meta.to_json()),
-            emitted_by: env.emitted_by,
-            payload_bytes: Some(env.payload.len()),
-            payload: (payloads == Payloads::Include)
-                .then(|| String::from_utf8_lossy(&env.payload).into_owned()),
-            decode_error: None,
-        },
+        Ok(env) => {
+            let (payload, payload_encoding) = match payloads {
+                Payloads::Include => {
+                    let (text, encoding) = shown_payload(&env.payload);
+                    (Some(text), Some(encoding))
+                }
+                Payloads::Omit => (None, None),
+            };
+            WaitingEnvelope {
+                envelope_version: Some(env.version),
+                message_id: Some(env.message_id),
+                topic: Some(env.topic),
+                content_type: Some(env.content_type),
+                headers: Some(env.headers),
+                exchange: env.exchange,
+                metadata: Some(env.meta.to_json()),
+                emitted_by: env.emitted_by,
+                payload_bytes: Some(env.payload.len()),
+                payload,
+                payload_encoding,
+                decode_error: None,
+            }
+        }
         Err(e) => WaitingEnvelope {
             envelope_version: None,
             message_id: None,
@@ -834,6 +871,7 @@ fn describe_envelope(content: bytes::Bytes, payloads: Payloads) -> WaitingEnvelo
             emitted_by: None,
             payload_bytes: None,
             payload: None,
+            payload_encoding: None,
             decode_error: Some(e.to_string()),
         },
     }

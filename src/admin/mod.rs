@@ -31,8 +31,8 @@ pub use inspection::{
     background_grants, check_background_privileges, check_dead_letter_privileges,
     confirmed_flush_lsn, count_waiting, dead_letter_grants, health, peek_waiting,
     pending_outbox_messages, preflight, schema_flag, slot_retention, slot_status, HealthReport,
-    LagThresholds, Payloads, PeekReport, Problem, Severity, SlotRetention, SlotStatus,
-    WaitingCount, WaitingEnvelope, WaitingMessage,
+    LagThresholds, PayloadEncoding, Payloads, PeekReport, Problem, Severity, SlotRetention,
+    SlotStatus, WaitingCount, WaitingEnvelope, WaitingMessage,
 };
 pub use lockdown::{lock, lockdown_state, require_default_schema, unlock, LockdownState};
 pub use provisioning::{

@@ -307,8 +307,8 @@ pub struct DeadLetterPurgeArgs {
     /// Row id (repeatable).
     #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
     pub id: Vec<i64>,
-    /// Rows dead-lettered longer ago than this: a whole number with unit s, m, h or d
-    /// (e.g. 7d), at most 36500d.
+    /// Rows dead-lettered longer ago than this: a duration such as 7d, 1w, 36h or 1h 30m
+    /// (as for the retention flags), at most 36500d.
     #[arg(long, value_parser = parse_age_secs)]
     pub older_than: Option<i64>,
     /// Every row.
@@ -316,33 +316,25 @@ pub struct DeadLetterPurgeArgs {
     pub all: bool,
 }
 
-/// Parses `30s`, `15m`, `12h`, `7d` into seconds, at most [`DEAD_LETTER_AGE_CAP`].
-///
-/// Never slices the text at a byte index: the unit is matched as a suffix, so any
-/// character (`7é`, `30日`) is an error, not a panic.
+/// Parses a `dead-letters purge --older-than` age into whole seconds, at most
+/// [`DEAD_LETTER_AGE_CAP`]: humantime's syntax (`30s`, `36h`, `7d`, `1w`, `1h 30m`), the
+/// same as the retention flags ([`Retention::parse`]).
 ///
 /// # Errors
-/// A message naming the value and the accepted form (clap adds the flag).
+/// A message naming the value's fault and the fix (clap adds the flag and the value).
 pub fn parse_age_secs(text: &str) -> Result<i64, String> {
-    let bad = |why: &str| {
-        format!(
-            "{text:?} {why}: write a whole number with unit s, m, h or d (e.g. 7d), at most {}d",
-            DEAD_LETTER_AGE_CAP.as_secs() / 86_400
-        )
-    };
-    let (num, mult) = [("s", 1u64), ("m", 60), ("h", 3600), ("d", 86_400)]
-        .into_iter()
-        .find_map(|(unit, mult)| text.strip_suffix(unit).map(|num| (num, mult)))
-        .ok_or_else(|| bad("has no unit"))?;
-    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad("is not a whole number"));
+    let fix = format!(
+        "write a duration such as 7d, 1w or 36h (humantime's syntax, as for --idempotency-retention), at most {}d",
+        DEAD_LETTER_AGE_CAP.as_secs() / 86_400
+    );
+    let age = humantime::parse_duration(text.trim()).map_err(|e| format!("{e}; {fix}"))?;
+    if age.subsec_nanos() != 0 {
+        return Err(format!("not whole seconds; {fix}"));
     }
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .filter(|secs| *secs <= DEAD_LETTER_AGE_CAP.as_secs())
-        .and_then(|secs| i64::try_from(secs).ok())
-        .ok_or_else(|| bad("is too long"))
+    if age > DEAD_LETTER_AGE_CAP {
+        return Err(format!("too long; {fix}"));
+    }
+    i64::try_from(age.as_secs()).map_err(|_| format!("too long; {fix}"))
 }
 
 /// Parses a whole number (ASCII digits only) for a numeric `run` option. The option's
@@ -471,7 +463,9 @@ pub struct PeekArgs {
     /// At most this many messages (1 to 10000).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub limit: i64,
-    /// Show the payloads too (as UTF-8 text; they may hold personal data).
+    /// Show the payloads too (they may hold personal data): a UTF-8 payload as its text,
+    /// any other as base64, marked `payload (base64, not UTF-8):` (in --json,
+    /// `payload_encoding` is `utf-8` or `base64`).
     #[arg(long)]
     pub payload: bool,
     /// Print JSON (one object with a `messages` array).
@@ -499,13 +493,29 @@ mod tests {
     use clap::Parser;
 
     #[test]
-    fn ages_parse_without_slicing_inside_a_character() {
-        assert_eq!(parse_age_secs("0s"), Ok(0));
-        assert_eq!(parse_age_secs("90s"), Ok(90));
-        assert_eq!(parse_age_secs("15m"), Ok(900));
-        assert_eq!(parse_age_secs("12h"), Ok(43_200));
-        assert_eq!(parse_age_secs("7d"), Ok(604_800));
-        assert_eq!(parse_age_secs("36500d"), Ok(36_500 * 86_400));
+    fn ages_take_humantime_durations_as_the_retention_flags_do() {
+        for (text, secs) in [
+            ("1w", 604_800),
+            ("36h", 129_600),
+            ("90d", 90 * 86_400),
+            ("0s", 0),
+            ("0", 0),
+            ("90s", 90),
+            ("15m", 900),
+            ("12h", 43_200),
+            ("7d", 604_800),
+            ("1h 30m", 5_400),
+            ("1.5h", 5_400),
+            ("36500d", 36_500 * 86_400),
+        ] {
+            assert_eq!(parse_age_secs(text), Ok(secs), "{text:?}");
+            assert_eq!(
+                Retention::parse("--idempotency-retention", text)
+                    .map(|r| r.age().map_or(0, |a| a.as_secs())),
+                Ok(secs as u64),
+                "{text:?} differs from the retention flags"
+            );
+        }
         for bad in [
             "7é",
             "30日",
@@ -516,22 +526,24 @@ mod tests {
             "5",
             "-5d",
             "+5d",
-            " 5d",
-            "5 d",
-            "5D",
-            "1.5h",
             "٣d",
             "7dé",
             "36501d",
             "3153600001s",
             "99999999999999999999999d",
+            "1500ms",
         ] {
             let e = parse_age_secs(bad).unwrap_err();
             assert!(
-                e.contains(&format!("{bad:?}")) && e.contains("unit s, m, h or d"),
+                e.contains("write a duration such as 7d, 1w or 36h")
+                    && e.contains("at most 36500d"),
                 "{bad:?}: {e}"
             );
         }
+        assert!(parse_age_secs("1500ms")
+            .unwrap_err()
+            .contains("whole seconds"));
+        assert!(parse_age_secs("36501d").unwrap_err().contains("too long"));
     }
 
     #[test]

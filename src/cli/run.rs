@@ -102,8 +102,8 @@ pub struct PostgresArgs {
     /// it, a retried emit with the same key emits again.
     #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", default_value = "7d", value_parser = parse_idempotency_retention)]
     pub idempotency_retention: Retention,
-    /// How often the retention task deletes expired keys and journal rows (first at
-    /// start), in batches of 1000 with a pause between: 1s to 1d.
+    /// How often the retention task deletes expired keys and journal rows (first once the
+    /// pre-flight checks passed), in batches of 1000 with a pause between: 1s to 1d.
     #[arg(long, env = "PGOUTBOX_MAINTENANCE_INTERVAL", default_value = "5m", value_parser = parse_maintenance_interval)]
     pub maintenance_interval: Duration,
 }

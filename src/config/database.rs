@@ -288,6 +288,10 @@ pub struct DatabaseConfig {
     pub pg: tokio_postgres::Config,
     /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `channel_binding` with libpq's meanings.
     pub tls: PostgresTls,
+    /// The `application_name` of pgoutbox's ordinary SQL sessions when the connection
+    /// string sets none (`run`: `pgoutbox-ID` with its instance id); `None`: `pgoutbox`
+    /// (see [`crate::postgres::connect`]).
+    pub session_name: Option<String>,
 }
 
 impl std::ops::Deref for DatabaseConfig {
@@ -320,7 +324,9 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
     }
     let (rest, tls) = split_tls_parameters(url).map_err(invalid)?;
     tls.validate().map_err(invalid)?;
-    let mut config: tokio_postgres::Config = rest.parse().map_err(|e| invalid(format!("not a PostgreSQL connection string ({e}); expected postgres://user:password@host:port/dbname")))?;
+    let mut config: tokio_postgres::Config = rest
+        .parse()
+        .map_err(|e| invalid(explain_parse_error(&rest, &e)))?;
     if config.get_user().is_none() {
         return Err(invalid(
             "no user given; write postgres://USER@host/dbname".into(),
@@ -345,7 +351,109 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
         ChannelBindingMode::Prefer => tokio_postgres::config::ChannelBinding::Prefer,
         ChannelBindingMode::Require => tokio_postgres::config::ChannelBinding::Require,
     });
-    Ok(DatabaseConfig { pg: config, tls })
+    Ok(DatabaseConfig {
+        pg: config,
+        tls,
+        session_name: None,
+    })
+}
+
+/// The parameters tokio-postgres reads besides the TLS ones ([`split_tls_parameters`]),
+/// named when a parameter is unknown.
+const KNOWN_PARAMETERS: &str = "user, password, dbname, host, hostaddr, port, options, application_name, connect_timeout, tcp_user_timeout, keepalives, keepalives_idle, keepalives_interval, keepalives_retries, target_session_attrs, load_balance_hosts";
+
+/// What tokio-postgres' parser refused in `conn` (the string without its TLS parameters),
+/// in words: the parameter, its value as written (never a password's) and the fix. Its own
+/// error says only "invalid connection string"; the cause names the parameter alone.
+fn explain_parse_error(conn: &str, e: &tokio_postgres::Error) -> String {
+    let cause = std::error::Error::source(e).map_or_else(|| e.to_string(), ToString::to_string);
+    let named = |prefix: &str| {
+        cause
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_suffix('`'))
+            .map(str::to_owned)
+    };
+    if let Some(key) = named("unknown option `") {
+        return format!(
+            "unknown parameter {}: pgoutbox reads {KNOWN_PARAMETERS}, and sslmode, sslrootcert, sslcert, sslkey, channel_binding; remove it or fix its name",
+            shown_parameter(conn, &key)
+        );
+    }
+    if let Some(key) = named("invalid value for option `") {
+        let fix = match key.as_str() {
+            "port" => "write a port number from 1 to 65535 (one per host, comma-separated)",
+            "hostaddr" => "write an IP address (one per host, comma-separated)",
+            "host" => {
+                "write a host name, an IP address or a socket directory, percent-encoded in a URL"
+            }
+            "connect_timeout" | "tcp_user_timeout" | "keepalives_idle" | "keepalives_interval" => {
+                "write whole seconds"
+            }
+            "keepalives" => "write 1 (on) or 0 (off)",
+            "keepalives_retries" => "write a whole number",
+            "target_session_attrs" => "write any, read-write or read-only",
+            "load_balance_hosts" => "write disable or random",
+            _ => "fix the value",
+        };
+        return format!(
+            "{} is not a valid {key}: {fix}",
+            shown_parameter(conn, &key)
+        );
+    }
+    format!(
+        "not a PostgreSQL connection string ({cause}); expected postgres://user:password@host:port/dbname"
+    )
+}
+
+/// `key="value"` as written in `conn` (a URL's query, percent-decoded, or its authority's
+/// ports for `port`; a key/value string's pair), `key=***` for the password, `key` alone
+/// when the value cannot be found.
+fn shown_parameter(conn: &str, key: &str) -> String {
+    if key == "password" {
+        return "password=***".into();
+    }
+    let value = if conn.starts_with("postgres://") || conn.starts_with("postgresql://") {
+        let query = conn.split_once('?').map(|(_, q)| q).unwrap_or_default();
+        query
+            .split('&')
+            .filter_map(|pair| pair.split_once('='))
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| {
+                percent_encoding::percent_decode_str(v)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            })
+            .or_else(|| (key == "port").then(|| authority_ports(conn)).flatten())
+    } else {
+        key_value_pairs(conn)
+            .ok()
+            .and_then(|pairs| pairs.into_iter().find(|(_, _, k, _)| k == key))
+            .map(|(_, _, _, v)| v)
+    };
+    match value {
+        Some(v) => format!("{key}={v:?}"),
+        None => key.to_owned(),
+    }
+}
+
+/// The ports of a URL's hosts, as written (`h1:5432,h2:x` gives `5432,x`), or `None` when
+/// no host has one.
+fn authority_ports(url: &str) -> Option<String> {
+    // After the last '@' (a password may hold one; parse_database_url refused an '@'
+    // after the host already), up to the path.
+    let rest = url.split_once("://")?.1;
+    let rest = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    let hosts = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+    let hosts = &hosts[..hosts.find('/').unwrap_or(hosts.len())];
+    let ports: Vec<&str> = hosts
+        .split(',')
+        .filter_map(|host| {
+            // `[::1]:5432`: the port follows the bracket.
+            let after = host.rsplit_once(']').map_or(host, |(_, a)| a);
+            after.rsplit_once(':').map(|(_, p)| p)
+        })
+        .collect();
+    (!ports.is_empty()).then(|| ports.join(","))
 }
 
 /// Takes the TLS parameters out of a connection string: returns the string without them
@@ -587,5 +695,52 @@ mod tests {
             split_tls_parameters("postgres://u@h/db?sslmode=require&application_name=x%20y")
                 .unwrap();
         assert_eq!(rest, "postgres://u@h/db?application_name=x%20y");
+    }
+
+    #[test]
+    fn an_unknown_parameter_or_a_bad_value_is_named_with_its_value_never_a_password() {
+        for (conn, want) in [
+            ("postgres://u:secret@h/db?foo=bar", "unknown parameter foo=\"bar\""),
+            ("host=h user=u password=secret foo=bar", "unknown parameter foo=\"bar\""),
+            (
+                "postgres://u:secret@h/db?port=abc",
+                "port=\"abc\" is not a valid port: write a port number from 1 to 65535",
+            ),
+            (
+                "postgres://u:secret@h:abc/db",
+                "port=\"abc\" is not a valid port: write a port number from 1 to 65535",
+            ),
+            (
+                "postgres://u:secret@x@h1:5432,[::1]:abc/db",
+                "port=\"5432,abc\" is not a valid port",
+            ),
+            (
+                "host=h port=5432,abc user=u",
+                "port=\"5432,abc\" is not a valid port",
+            ),
+            (
+                "postgres://u@h/db?connect_timeout=soon",
+                "connect_timeout=\"soon\" is not a valid connect_timeout: write whole seconds",
+            ),
+            (
+                "postgres://u@h/db?target_session_attrs=primary",
+                "target_session_attrs=\"primary\" is not a valid target_session_attrs: write any, read-write or read-only",
+            ),
+        ] {
+            let e = parse_database_url(conn).unwrap_err();
+            assert_eq!(e.setting, "--database-url");
+            let text = e.to_string();
+            assert!(text.contains(want), "{conn}: {text}");
+            assert!(!text.contains("secret"), "{conn}: {text}");
+        }
+        let text = parse_database_url("postgres://u@h/db?foo=bar")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("remove it or fix its name")
+                && text.contains("application_name")
+                && text.contains("sslmode"),
+            "{text}"
+        );
     }
 }

@@ -182,16 +182,23 @@ pub async fn run(
     config: RunConfig,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<RunSummary, Error> {
-    let pg = config.postgres.database.clone();
+    let mut pg = config.postgres.database.clone();
+    // The SQL sessions carry the instance id, as the replication session does.
+    pg.session_name = Some(crate::postgres::application_name(
+        &config.observability.instance_id,
+    ));
     let telemetry = Telemetry::new(config.observability.stall_after);
     let _server = serve_http(&config, &telemetry).await?;
     let mut memory = first_memory(&config);
     // Both background tasks have their own SQL session and never hold back the stream.
+    // Retention starts once a session's pre-flight checks passed (see session::connect).
+    let (preflight_passed, preflight_rx) = watch::channel(false);
     let _retention = RetentionTask::start(
         config.postgres.retention,
         &pg,
         &config.postgres.schema,
         &telemetry,
+        preflight_rx,
     );
     let journal = JournalWriter::start(
         config.observability.journal,
@@ -208,6 +215,7 @@ pub async fn run(
         pg: &pg,
         telemetry: &telemetry,
         journal: journal.handle(),
+        preflight_passed,
     };
     let result = sessions.reconnecting(&mut memory, &mut shutdown).await;
     // The journal's last rows (the messages are settled whatever happens to them).
@@ -223,6 +231,9 @@ struct Sessions<'a> {
     sinks: SinkChoice,
     telemetry: &'a Arc<Telemetry>,
     journal: JournalHandle,
+    /// Turned true by the first session whose pre-flight checks pass; the retention task
+    /// waits for it.
+    preflight_passed: watch::Sender<bool>,
 }
 
 /// The end of a run whose last session failed (retryably) during shutdown: an interrupted
@@ -304,8 +315,14 @@ impl Sessions<'_> {
         summary: &mut RunSummary,
     ) -> Result<(), Error> {
         memory.unsettled_at_end = 0;
-        let connecting =
-            session::connect(self.config, self.pg, &self.sinks, memory, self.telemetry);
+        let connecting = session::connect(
+            self.config,
+            self.pg,
+            &self.sinks,
+            memory,
+            self.telemetry,
+            &self.preflight_passed,
+        );
         let connected = tokio::select! {
             biased;
             _ = shutdown_requested(&mut shutdown) => {

@@ -1,6 +1,7 @@
 //! `run`'s retention task: deletes expired idempotency keys (`--idempotency-retention`)
 //! and journal rows (`--journal-retention`) every `--maintenance-interval`, the first pass
-//! at start.
+//! once the first session's pre-flight checks passed (so that a missing slot or privilege
+//! is the first thing `run` says, not a retention warning caused by the same fault).
 //!
 //! It has its own SQL session and shares nothing with the stream: it never blocks reading,
 //! publishing or acknowledgement. Each statement deletes at most [`BATCH_ROWS`] rows with
@@ -12,6 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::retention::{purge, Purgeable, Purged};
@@ -39,29 +41,35 @@ impl Drop for RetentionTask {
 }
 
 impl RetentionTask {
-    /// Starts the task, unless both retentions are off.
+    /// Starts the task, unless both retentions are off. Its first pass waits until
+    /// `preflight_passed` turns true (a session's pre-flight checks passed); it never runs
+    /// when the sender is dropped first.
     pub fn start(
         settings: RetentionSettings,
         pg: &DatabaseConfig,
         schema: &crate::outbox_schema::SchemaName,
         telemetry: &Arc<Telemetry>,
+        mut preflight_passed: watch::Receiver<bool>,
     ) -> RetentionTask {
         if settings.idempotency.age().is_none() && settings.journal.age().is_none() {
             tracing::info!("retention off (--idempotency-retention 0 and --journal-retention 0): nothing is deleted");
             return RetentionTask(None);
         }
-        tracing::info!(
-            idempotency_retention = %settings.idempotency,
-            journal_retention = %settings.journal,
-            every = %humantime::format_duration(settings.interval),
-            "retention task started"
-        );
-        RetentionTask(Some(tokio::spawn(retention_task(
-            settings,
-            pg.clone(),
-            schema.clone(),
-            Arc::clone(telemetry),
-        ))))
+        let pg = pg.clone();
+        let schema = schema.clone();
+        let telemetry = Arc::clone(telemetry);
+        RetentionTask(Some(tokio::spawn(async move {
+            if preflight_passed.wait_for(|passed| *passed).await.is_err() {
+                return;
+            }
+            tracing::info!(
+                idempotency_retention = %settings.idempotency,
+                journal_retention = %settings.journal,
+                every = %humantime::format_duration(settings.interval),
+                "retention task started"
+            );
+            retention_task(settings, pg, schema, telemetry).await;
+        })))
     }
 }
 

@@ -145,8 +145,8 @@ struct Started {
     hint: Lsn,
 }
 
-/// Connects the SQL session, runs the pre-flight checks, connects the dead-letter writer
-/// and the sink, and starts streaming.
+/// Connects the SQL session, runs the pre-flight checks (then turns `preflight_passed`
+/// true), connects the dead-letter writer and the sink, and starts streaming.
 ///
 /// # Errors
 /// Whatever fails first; the replication stream is closed again when the session's record
@@ -157,9 +157,11 @@ pub(super) async fn connect(
     sinks: &SinkChoice,
     memory: &SessionMemory,
     telemetry: &Telemetry,
+    preflight_passed: &tokio::sync::watch::Sender<bool>,
 ) -> Result<Connected, Error> {
     let sql = crate::postgres::connect(pg).await?;
     let prefix = prepare(&sql, config).await?;
+    preflight_passed.send_if_modified(|passed| !std::mem::replace(passed, true));
     let application_name = format!("pgoutbox-{}", config.observability.instance_id);
     warn_if_synchronous_standby(&sql, &application_name).await;
     let lockdown = read_lockdown(&sql, config).await?;
@@ -219,7 +221,7 @@ async fn prepare(sql: &tokio_postgres::Client, config: &RunConfig) -> Result<Mes
         &config.postgres.publication,
     )
     .await?;
-    for warning in admin::check_background_privileges(
+    let warnings = admin::check_background_privileges(
         sql,
         &config.postgres.schema,
         &config.postgres.slot,
@@ -227,17 +229,19 @@ async fn prepare(sql: &tokio_postgres::Client, config: &RunConfig) -> Result<Mes
         config.postgres.retention.idempotency.age().is_some(),
         config.postgres.retention.journal.age().is_some(),
     )
-    .await?
-    {
-        tracing::warn!("{warning}");
-    }
+    .await?;
     stream_state::ensure_table(sql, &config.postgres.schema).await?;
-    admin::resolve_prefix(
+    let prefix = admin::resolve_prefix(
         sql,
         &config.postgres.schema,
         config.postgres.prefix.as_ref(),
     )
-    .await
+    .await?;
+    // After every check that can fail: a warning never comes before the error to fix.
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
+    Ok(prefix)
 }
 
 /// The lockdown record. Read before START_REPLICATION: a lockdown committed after this read

@@ -96,7 +96,16 @@ pub fn application_name(instance_id: &str) -> String {
     format!("pgoutbox-{instance_id}")
 }
 
+/// The `application_name` of pgoutbox's ordinary SQL sessions when neither the connection
+/// string nor [`DatabaseConfig::session_name`] sets one (the admin commands, `check`).
+pub const SQL_APPLICATION_NAME: &str = "pgoutbox";
+
 /// Connects an ordinary SQL session and spawns its connection task.
+///
+/// The session's `application_name` is the connection string's; else
+/// [`DatabaseConfig::session_name`] (`run`: `pgoutbox-ID`, the name of its replication
+/// session too, see [`application_name`]); else [`SQL_APPLICATION_NAME`]. A background
+/// writer's ([`connect_background`]) adds its purpose: `pgoutbox-ID dead-letter`.
 ///
 /// TLS follows the connection string's `sslmode` ([`tls`]) through
 /// tokio-postgres-rustls, on the same rustls configuration as the replication connection;
@@ -115,6 +124,27 @@ pub fn application_name(instance_id: &str) -> String {
 /// certificate that does not verify, a server without TLS, an unusable file);
 /// [`Error::Sql`] when the connection fails otherwise, with a hint.
 pub async fn connect(config: &DatabaseConfig) -> Result<Client, Error> {
+    connect_named(config, None).await
+}
+
+/// [`connect`], naming the session (see there) with `purpose` after the name.
+async fn connect_named(config: &DatabaseConfig, purpose: Option<&str>) -> Result<Client, Error> {
+    let named;
+    let config = if config.pg.get_application_name().is_some() {
+        config
+    } else {
+        let base = config
+            .session_name
+            .as_deref()
+            .unwrap_or(SQL_APPLICATION_NAME);
+        let mut c = config.clone();
+        c.pg.application_name(&match purpose {
+            Some(p) => format!("{base} {p}"),
+            None => base.to_owned(),
+        });
+        named = c;
+        &named
+    };
     match connect_as(config, &config.pg).await {
         Err(Error::Sql { source, .. })
             if config.tls.mode == SslMode::Allow
@@ -137,7 +167,8 @@ pub async fn connect(config: &DatabaseConfig) -> Result<Client, Error> {
 /// [`connect`], then `synchronous_commit` (`local`, `off`, ...) and `lock_timeout` and
 /// `statement_timeout` (whole milliseconds) for the session, so that a locked table costs
 /// one failed statement instead of a task that hangs. `purpose` names the session in the
-/// error ("dead-letter", "retention", "journal").
+/// error ("dead-letter", "retention", "journal") and in its `application_name` (see
+/// [`connect`]).
 ///
 /// # Errors
 /// As [`connect`]; [`Error::Sql`] ("preparing the `purpose` session") when the `SET`s fail.
@@ -148,7 +179,7 @@ pub async fn connect_background(
     statement_timeout: std::time::Duration,
     purpose: &str,
 ) -> Result<Client, Error> {
-    let client = connect(config).await?;
+    let client = connect_named(config, Some(purpose)).await?;
     client
         .batch_execute(&format!(
             "SET synchronous_commit = {synchronous_commit}; SET lock_timeout = {}; SET statement_timeout = {}",

@@ -44,23 +44,88 @@ fn flush_wal(ob: &Outbox<'_>) {
 
 #[test]
 fn age_with_a_multibyte_unit_is_a_usage_error_not_a_panic() {
-    for age in ["7é", "30日", "é", "36501d"] {
-        let out = pgoutbox(&[
+    let purge = |age: &str| {
+        pgoutbox(&[
             "dead-letters",
             "purge",
             "--older-than",
             age,
             "--database-url",
             "postgres://u@127.0.0.1:1/db",
-        ]);
-        let (code, err) = outcome(&out);
+        ])
+    };
+    for age in ["7é", "30日", "é", "36501d"] {
+        let (code, err) = outcome(&purge(age));
         assert_eq!(code, Some(2), "{age}: {err}");
         assert!(!err.contains("panicked"), "{age}: {err}");
         assert!(
             err.contains(&format!(
                 "invalid value '{age}' for '--older-than <OLDER_THAN>'"
-            )) && err.contains("write a whole number with unit s, m, h or d (e.g. 7d)"),
+            )) && err.contains("write a duration such as 7d, 1w or 36h"),
             "{age}: {err}"
+        );
+    }
+    // The syntax of the retention flags: past the arguments, to the (refused) connection.
+    for age in ["1w", "36h", "90d", "1h 30m"] {
+        let (code, err) = outcome(&purge(age));
+        assert_eq!(code, Some(1), "{age}: {err}");
+        assert!(!err.contains("--older-than"), "{age}: {err}");
+    }
+}
+
+/// Connection-string mistakes name the setting, the value and the fix, never the password:
+/// a password file for a URL that has one (the file is the value, the URL is named
+/// redacted), an unknown parameter, a port that is not a number.
+#[test]
+fn connection_string_errors_name_the_parameter_the_value_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pw");
+    std::fs::write(&file, "Fr0m-the-file\n").unwrap();
+    let file = file.display().to_string();
+    let cases: [(&[&str], &[&str]); 4] = [
+        (
+            &[
+                "--database-url",
+                "postgres://u:Old-pw@127.0.0.1:1/db",
+                "--database-password-file",
+                &file,
+            ],
+            &[
+                &format!("--database-password-file (PGOUTBOX_DATABASE_PASSWORD_FILE) = {file:?}"),
+                "--database-url postgres://u:***@127.0.0.1:1/db already has a password",
+                "remove it from --database-url, or drop --database-password-file",
+            ],
+        ),
+        (
+            &[
+                "--database-url",
+                "postgres://u:Old-pw@127.0.0.1:1/db?foo=bar",
+            ],
+            &["unknown parameter foo=\"bar\"", "remove it or fix its name"],
+        ),
+        (
+            &["--database-url", "postgres://u:Old-pw@127.0.0.1:abc/db"],
+            &["port=\"abc\" is not a valid port: write a port number from 1 to 65535"],
+        ),
+        (
+            &[
+                "--database-url",
+                "host=127.0.0.1 user=u password=Old-pw port=abc",
+            ],
+            &["port=\"abc\" is not a valid port"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let mut argv = vec!["status", "--slot", "s"];
+        argv.extend_from_slice(args);
+        let (code, err) = outcome(&pgoutbox(&argv));
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        for want in wants {
+            assert!(err.contains(want), "{args:?}: no {want:?} in {err}");
+        }
+        assert!(
+            !err.contains("Old-pw") && !err.contains("Fr0m-the-file"),
+            "{args:?}: {err}"
         );
     }
 }

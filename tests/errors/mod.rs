@@ -146,6 +146,12 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
         !log.contains("session failed; reconnecting"),
         "a missing privilege is not retried: {log}"
     );
+    // The retention task waits for the pre-flight checks: its warnings (and its start)
+    // never come before, or instead of, the error that says what to fix.
+    assert!(
+        !log.contains("retention pass failed") && !log.contains("retention task started"),
+        "retention ran before the pre-flight checks passed: {log}"
+    );
 
     let grants = example_streamer_grants(&role, false);
     assert_eq!(grants.lines().count(), 4, "{grants}");
@@ -159,6 +165,13 @@ async fn least_privilege_streamer_is_told_the_grants_then_dead_letters() {
     .await;
     assert!(written, "no dead letter written: {}", run.log());
     assert!(run.try_status().is_none(), "{}", run.log());
+    // Once the pre-flight checks passed, the retention task starts (and fails, warning).
+    assert!(
+        run.wait_for_log("retention pass failed", scaled(Duration::from_secs(30)))
+            .await,
+        "{}",
+        run.log()
+    );
     // Retention (on by default) cannot delete: said once at start, with the GRANT.
     let log = run.log();
     let idempotency_grant = format!("GRANT SELECT, DELETE ON outbox.idempotency TO \"{role}\";");

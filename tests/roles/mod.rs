@@ -72,7 +72,8 @@ async fn the_streamer_is_no_superuser_and_the_producer_can_only_emit() {
         "SELECT string_agg(DISTINCT usename::text || ':' || coalesce(backend_type, ''), ' ' ORDER BY usename::text || ':' || coalesce(backend_type, '')) FROM pg_stat_activity WHERE application_name LIKE 'pgoutbox-roles%' OR (backend_type = 'walsender' AND application_name LIKE 'pgoutbox%roles%')",
     );
     assert!(
-        users.contains(&format!("{STREAMER_ROLE}:walsender")),
+        users.contains(&format!("{STREAMER_ROLE}:walsender"))
+            && users.contains(&format!("{STREAMER_ROLE}:client backend")),
         "{users}\n{}",
         streamer.log()
     );

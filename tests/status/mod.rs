@@ -335,6 +335,95 @@ async fn status_is_critical_for_a_missing_publication_or_slot() {
 /// payloads only with --payload, at most --limit, consumes nothing (the streamer delivers
 /// all of them afterwards, with the LSNs peek showed), and names the holder while a streamer
 /// holds the slot.
+/// The `application_name`s of this outbox database's client sessions (not the walsender,
+/// not the test's psql), sorted, comma-separated.
+fn client_application_names(ob: &Outbox<'_>) -> String {
+    ob.sql(&format!(
+        "SELECT coalesce(string_agg(application_name, ',' ORDER BY application_name), '') FROM pg_stat_activity
+         WHERE datname = '{}' AND backend_type = 'client backend' AND application_name <> 'psql'",
+        ob.db
+    ))
+    .trim()
+    .to_owned()
+}
+
+/// `run`'s ordinary SQL sessions (the pipeline's, the dead-letter writer's, the retention
+/// task's) are named in `pg_stat_activity` with the instance id, as its walsender is:
+/// `pgoutbox-ID`, `pgoutbox-ID dead-letter`, `pgoutbox-ID retention`; an
+/// `application_name` in the URL names them all instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_names_its_sql_sessions_unless_the_url_does() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_appname").await;
+    let want = "pgoutbox-appname,pgoutbox-appname dead-letter,pgoutbox-appname retention";
+    let streamer = ob.run(&["--instance-id", "appname"]);
+    wait_active(&ob, &streamer).await;
+    let named = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        client_application_names(&ob) == want
+    })
+    .await;
+    assert!(
+        named,
+        "sessions: {:?}, want {want:?}\n{}",
+        client_application_names(&ob),
+        streamer.log()
+    );
+    streamer.stop(scaled(Duration::from_secs(20))).await;
+    let url = format!("{}?application_name=mine", ob.streamer_url());
+    let streamer = ob.run_with_url(&url, &[]);
+    wait_active(&ob, &streamer).await;
+    let named = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        client_application_names(&ob) == "mine,mine,mine"
+    })
+    .await;
+    assert!(
+        named,
+        "sessions: {:?}, want the URL's name on all three\n{}",
+        client_application_names(&ob),
+        streamer.log()
+    );
+    streamer.stop(scaled(Duration::from_secs(20))).await;
+}
+
+/// `peek --payload` shows a UTF-8 payload as text and any other as base64, saying which
+/// (`payload_encoding`; in text, `payload (base64, not UTF-8):`), so bytes are never
+/// mangled into U+FFFD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peek_shows_a_binary_payload_as_base64() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "status_peek_bin").await;
+    ob.sql("SELECT outbox.emit_bytes('pk.bin', '\\x00ff80fe'::bytea, 'application/octet-stream', '{}', 'bin-1')");
+    ob.sql("SELECT outbox.emit_bytes('pk.txt', convert_to('grüße', 'UTF8'), 'text/plain', '{}', 'txt-1')");
+    flush_wal(&ob);
+    let (code, json, err) = peek(&ob, &["--payload"]);
+    assert_eq!(code, Some(0), "{err}");
+    let msgs = json["messages"].as_array().expect("messages");
+    assert_eq!(msgs.len(), 2, "{json}");
+    assert_eq!(msgs[0]["payload"], "AP+A/g==", "{json}");
+    assert_eq!(msgs[0]["payload_encoding"], "base64", "{json}");
+    assert_eq!(msgs[0]["payload_bytes"], 4, "{json}");
+    assert_eq!(msgs[1]["payload"], "grüße", "{json}");
+    assert_eq!(msgs[1]["payload_encoding"], "utf-8", "{json}");
+    let out = cmd(
+        &ob,
+        &["peek", "--payload", "--publication", &ob.publication],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("  payload (base64, not UTF-8): AP+A/g==\n")
+            && text.contains("  payload: grüße\n"),
+        "{text}"
+    );
+    // Without --payload, neither.
+    let (_, json, _) = peek(&ob, &[]);
+    for m in json["messages"].as_array().expect("messages") {
+        assert!(
+            m.get("payload").is_none() && m.get("payload_encoding").is_none(),
+            "{m}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peek_lists_waiting_messages_without_consuming_them() {
     let pg = Postgres::shared();
