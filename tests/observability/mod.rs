@@ -439,3 +439,70 @@ async fn each_partition_has_its_own_series() {
     );
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }
+
+/// Issue 21 item 11: `/healthz` turns 503 (`loop_not_turning`) once nothing beat for
+/// [`pgoutbox::metrics::HEALTH_STALE_AFTER`], and 200 again at the next beat.
+///
+/// In-process, on the real HTTP endpoint (`metrics::http::serve`) with a [`Telemetry`] that
+/// nothing beats: the binary cannot be brought there from outside. `run`'s runtime is
+/// current-thread, so a busy loop silences the HTTP task too (a probe times out), and every
+/// await of the loop is bounded or raced in its `select!` except the write of a standby
+/// status update, which a peer that stops reading cannot block with 34-byte updates; the
+/// driver beats every second while it connects or backs off. SIGSTOP does not get there
+/// either: after SIGCONT the runtime polls the loop (its timers are due) before the HTTP
+/// task.
+///
+/// [`Telemetry`]: pgoutbox::metrics::Telemetry
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_turns_unhealthy_when_nothing_beats_and_back() {
+    use pgoutbox::metrics::{http, Telemetry, HEALTH_STALE_AFTER};
+    let telemetry = Telemetry::new(Duration::from_secs(60));
+    let port = support::free_port();
+    let server = http::serve(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        std::sync::Arc::clone(&telemetry),
+    )
+    .await
+    .expect("listen");
+    let healthz = || async move {
+        let (code, body) = tokio::task::spawn_blocking(move || get(port, "/healthz"))
+            .await
+            .expect("join")
+            .expect("/healthz answers");
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        (code, json)
+    };
+    telemetry.beat();
+    let (code, json) = healthz().await;
+    assert_eq!(code, 200, "{json}");
+    assert_eq!(json["status"], "ok", "{json}");
+    let stale_ms = HEALTH_STALE_AFTER.as_millis() as u64;
+    // Every answer agrees with its own age of the last beat: 200 below the bound, 503 at or
+    // above it (the age is computed when the request is served, so no timing is assumed).
+    let mut unhealthy = None;
+    let deadline = std::time::Instant::now() + HEALTH_STALE_AFTER + scaled(Duration::from_secs(30));
+    while std::time::Instant::now() < deadline {
+        let (code, json) = healthz().await;
+        let since = json["since_last_turn_ms"]
+            .as_u64()
+            .expect("since_last_turn_ms");
+        if since < stale_ms {
+            assert_eq!((code, &json["status"]), (200, &"ok".into()), "{json}");
+        } else {
+            assert_eq!(code, 503, "{json}");
+            unhealthy = Some(json);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let json = unhealthy.expect("/healthz never turned 503");
+    eprintln!("/healthz with no beat: 503 {json}");
+    assert_eq!(json["status"], "unhealthy", "{json}");
+    assert_eq!(json["reason"], "loop_not_turning", "{json}");
+    telemetry.beat();
+    let (code, json) = healthz().await;
+    assert_eq!(code, 200, "after a beat: {json}");
+    assert_eq!(json["status"], "ok", "{json}");
+    assert!(json["reason"].is_null(), "{json}");
+    server.abort();
+}
