@@ -3,7 +3,8 @@
 //!
 //! Every wait here (connecting to Postgres or the sink, a handshake, the slot held by
 //! another process, the backoff between sessions) ends promptly on SIGINT/SIGTERM; nothing
-//! is in flight during those waits, so such an exit is clean (exit status 0). How a session
+//! is in flight during those waits, so such an exit is clean (exit status 0) and its last
+//! log line starts `stopped`, like the one after a drained session. How a session
 //! connects, and what it hands to the next, is `session`'s; which sink it
 //! publishes to is `sinks`'s.
 
@@ -300,7 +301,14 @@ impl Sessions<'_> {
             );
             tokio::select! {
                 biased;
-                _ = shutdown_requested(shutdown) => return Ok(summary),
+                _ = shutdown_requested(shutdown) => {
+                    tracing::info!(
+                        reconnects = summary.reconnects,
+                        flushed_lsn = %summary.flushed,
+                        "stopped: shutdown requested during the reconnect backoff; nothing was in flight"
+                    );
+                    return Ok(summary);
+                }
                 _ = beating(self.telemetry, tokio::time::sleep(delay)) => {}
             }
         }
@@ -326,7 +334,11 @@ impl Sessions<'_> {
         let connected = tokio::select! {
             biased;
             _ = shutdown_requested(&mut shutdown) => {
-                tracing::info!("shutdown requested while connecting; nothing was in flight");
+                tracing::info!(
+                    reconnects = summary.reconnects,
+                    flushed_lsn = %summary.flushed,
+                    "stopped: shutdown requested while connecting; nothing was in flight"
+                );
                 return Ok(());
             }
             c = beating(self.telemetry, connecting) => c?,

@@ -644,4 +644,220 @@ async fn a_tls_file_read_that_blocks_does_not_stall_the_runtime() {
         "run did not end on SIGTERM while reading a TLS file blocked:\n{}",
         streamer.log()
     );
+
+/// Whether process `pid` catches SIGTERM (bit 15 of `SigCgt` in `/proc/<pid>/status`): the
+/// signal handler is installed, so a SIGTERM sent now is the program's to handle, not the
+/// default action's.
+fn catches_sigterm(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("SigCgt:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|mask| mask & (1 << (15 - 1)) != 0)
+}
+
+/// SIGTERM, then waits up to a generous bound for the exit (this is not a speed test: the
+/// point is that the wait ended), and returns the status; panics with the log when the
+/// process is still running.
+async fn sigterm_and_wait(streamer: &Streamer, what: &str) -> std::process::ExitStatus {
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            catches_sigterm(streamer.pid())
+        })
+        .await,
+        "{what}: the streamer never installed its SIGTERM handler\n{}",
+        streamer.log()
+    );
+    let t0 = Instant::now();
+    streamer.sigterm();
+    let bound = scaled(Duration::from_secs(60));
+    let status = streamer.wait_exit(bound).await;
+    eprintln!("{what}: exit {status:?} {:.1?} after SIGTERM", t0.elapsed());
+    status.unwrap_or_else(|| {
+        panic!(
+            "{what}: still running {bound:?} after SIGTERM\n{}",
+            streamer.log()
+        )
+    })
+}
+
+/// Issue 21 item 11: SIGTERM while the Postgres handshake hangs (a proxy that accepts TCP
+/// and never answers, with `connect_timeout` far beyond the test) ends `run` with exit 0
+/// and the log says it stopped while connecting: the handshake did not time out first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_hanging_postgres_handshake() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "sig_handshake").await;
+    let proxy = support::Proxy::start(pg.port());
+    proxy.stall();
+    let db_url = format!("{}?connect_timeout=3600", ob.streamer_url_via(proxy.port()));
+    let streamer = ob.run_with_url(&db_url, &[]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            proxy.open() >= 1
+        })
+        .await,
+        "run never connected to the proxy\n{}",
+        streamer.log()
+    );
+    let status = sigterm_and_wait(&streamer, "hanging handshake").await;
+    let log = streamer.log();
+    assert!(status.success(), "exit {status:?}\n{log}");
+    assert!(
+        log.contains("stopped: shutdown requested while connecting"),
+        "{log}"
+    );
+    assert!(!log.contains("timed out"), "{log}");
+    assert_eq!(proxy.accepted(), proxy.open(), "nothing was retried: {log}");
+}
+
+/// Issue 21 item 11: SIGTERM during the reconnect backoff (the broker stopped) ends `run`
+/// with exit 0, from the backoff itself: the log says so, and no further session began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_reconnect_backoff() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let ob = Outbox::new(pg, &rmq.url(), "sig_backoff").await;
+    let streamer = ob.run(&[]);
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            ob.slot_active()
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    rmq.stop_app();
+    // Wait for a backoff long enough that the signal surely lands inside it (the delays
+    // double from 0.5 s, with jitter): at least 3 s.
+    let long_backoff = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("session failed; reconnecting"))
+            .filter_map(|l| l.split("retry_in_ms=").nth(1))
+            .filter_map(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+            .filter_map(|v| v.parse::<u64>().ok())
+            .any(|ms| ms >= 3000)
+    };
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(90)), || async {
+            long_backoff(&streamer.log())
+        })
+        .await,
+        "no reconnect backoff of 3 s or more\n{}",
+        streamer.log()
+    );
+    let before = streamer.log_count("session failed; reconnecting");
+    let status = sigterm_and_wait(&streamer, "reconnect backoff").await;
+    let log = streamer.log();
+    rmq.start_app();
+    assert!(status.success(), "exit {status:?}\n{log}");
+    assert!(
+        log.contains("stopped: shutdown requested during the reconnect backoff"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("shutdown requested while connecting"),
+        "{log}"
+    );
+    assert_eq!(streamer.log_count("session failed; reconnecting"), before);
+}
+
+/// Issue 21 item 11: SIGTERM while the dead-letter writer waits for a lock on
+/// `outbox.dead_letter` (another session holds `LOCK TABLE`). While the lock stays held, the
+/// drain ends at `--shutdown-timeout-s` with a non-zero exit and nothing acknowledged at or
+/// past the message; when the lock is released during the drain, the row is written and
+/// `run` stops cleanly (exit 0, "stopped") with the slot past the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_dead_letter_lock_wait() {
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "sig_dl_lock").await;
+    let exchange = support::unique("sig_dl_lock_x");
+    let queue = support::unique("sig_dl_lock_q");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let locker = pg.client(&ob.db).await;
+    locker
+        // EXCLUSIVE: blocks the writer's INSERT, not the test's SELECT.
+        .batch_execute("BEGIN; LOCK TABLE outbox.dead_letter IN EXCLUSIVE MODE")
+        .await
+        .expect("lock");
+    // Unroutable (nothing bound for its key): dead-lettered as `returned`, once it can be.
+    let stuck = ob.emit("nobody.listens", "unroutable");
+    let dead_letters = || {
+        ob.sql("SELECT count(*) FROM outbox.dead_letter")
+            .trim()
+            .to_owned()
+    };
+
+    // 1. The lock outlives the drain: the drain times out.
+    let streamer = ob.run(&["--exchange", &exchange, "--shutdown-timeout-s", "3"]);
+    assert!(
+        streamer
+            .wait_for_log(
+                "for a lock on outbox.dead_letter",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let status = sigterm_and_wait(&streamer, "lock held through the drain").await;
+    let log = streamer.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("shutdown timed out with 1 messages unconfirmed"),
+        "{log}"
+    );
+    assert!(!log.contains("stopped; every message was settled"), "{log}");
+    assert!(ob.confirmed_flush() < stuck, "not acknowledged unwritten");
+
+    // 2. The lock is released during the drain: the drain writes the row and ends cleanly.
+    let streamer = ob.run(&["--exchange", &exchange, "--shutdown-timeout-s", "300"]);
+    assert!(
+        streamer
+            .wait_for_log(
+                "for a lock on outbox.dead_letter",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(20)), || async {
+            catches_sigterm(streamer.pid())
+        })
+        .await
+    );
+    streamer.sigterm();
+    assert!(
+        streamer
+            .wait_for_log(
+                "shutdown requested; draining",
+                scaled(Duration::from_secs(20))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    assert_eq!(dead_letters(), "0", "the lock still holds the row back");
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    let bound = scaled(Duration::from_secs(60));
+    let status = streamer.wait_exit(bound).await;
+    let log = streamer.log();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit {status:?} within {bound:?} of the unlock\n{log}"
+    );
+    assert!(log.contains("stopped; every message was settled"), "{log}");
+    assert_eq!(dead_letters(), "1", "{log}");
+    assert!(
+        ob.flushed_past(stuck, scaled(Duration::from_secs(30)))
+            .await,
+        "acknowledged once written\n{log}"
+    );
 }

@@ -291,9 +291,23 @@ async fn readyz_follows_the_broker_going_away_and_back() {
     .await;
     assert!(down, "/readyz: {:?}\n{}", readyz(port), streamer.log());
     assert_not_ready_through_reconnects(port, &streamer, "broker_disconnected", 3).await;
+    // Once the session failed, the process holds no role; through several reconnect
+    // attempts it stays live, holding none.
+    let no_role = support::wait_until(scaled(Duration::from_secs(30)), || async {
+        roles(port) == (0.0, 0.0)
+    })
+    .await;
+    assert!(no_role, "{:?}\n{}", roles(port), streamer.log());
+    for _ in 0..10 {
+        assert_healthy(port, &streamer);
+        assert!(matches!(readyz(port), Some((503, _))));
+        assert_eq!(roles(port), (0.0, 0.0), "no role while reconnecting");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     rmq.start_app();
     wait_ready(port, &streamer, scaled(Duration::from_secs(60))).await;
     assert_healthy(port, &streamer);
+    assert_eq!(roles(port), (1.0, 0.0), "active again");
     let text = scrape(port);
     assert!(
         sample(&text, "pgoutbox_reconnects_total{cause=\"broker\"}").unwrap_or(0.0) >= 1.0,
@@ -515,16 +529,24 @@ async fn a_standby_is_live_but_not_ready() {
         Some(0.0)
     );
     assert!(matches!(readyz(active_port), Some((200, _))));
-    standby.sigterm();
-    active.sigterm();
-    assert!(standby
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
-    assert!(active
-        .wait_exit(scaled(Duration::from_secs(30)))
-        .await
-        .is_some());
+    // The role metric: 1 for each process's own role, 0 for the other.
+    assert_eq!(roles(active_port), (1.0, 0.0), "active");
+    assert_eq!(roles(port), (0.0, 1.0), "standby");
+    // The active one stops: the standby takes the slot over, and its role follows.
+    active.stop_ok(scaled(Duration::from_secs(30))).await;
+    wait_ready(port, &standby, scaled(Duration::from_secs(60))).await;
+    assert_eq!(roles(port), (1.0, 0.0), "after the takeover");
+    standby.stop_ok(scaled(Duration::from_secs(30))).await;
+}
+
+/// `pgoutbox_role` in a scrape: (`role="active"`, `role="standby"`).
+fn roles(port: u16) -> (f64, f64) {
+    let text = scrape(port);
+    let at = |role: &str| {
+        sample(&text, &format!("pgoutbox_role{{role=\"{role}\"}}"))
+            .unwrap_or_else(|| panic!("pgoutbox_role{{role={role:?}}} missing:\n{text}"))
+    };
+    (at("active"), at("standby"))
 }
 
 /// `pgoutbox_partition_*{partition="i"}` in a scrape: (published, unsettled, connected,
@@ -618,6 +640,179 @@ async fn each_partition_has_its_own_series() {
     assert!(
         back,
         "after the alarm: 300 published, nothing unsettled, none blocked: {seen:?}"
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+}
+
+/// Issue 21 item 11: `/healthz` turns 503 (`loop_not_turning`) once nothing beat for
+/// [`pgoutbox::metrics::HEALTH_STALE_AFTER`], and 200 again at the next beat.
+///
+/// In-process, on the real HTTP endpoint (`metrics::http::serve`) with a [`Telemetry`] that
+/// nothing beats: the binary cannot be brought there from outside. `run`'s runtime is
+/// current-thread, so a busy loop silences the HTTP task too (a probe times out), and every
+/// await of the loop is bounded or raced in its `select!` except the write of a standby
+/// status update, which a peer that stops reading cannot block with 34-byte updates; the
+/// driver beats every second while it connects or backs off. SIGSTOP does not get there
+/// either: after SIGCONT the runtime polls the loop (its timers are due) before the HTTP
+/// task.
+///
+/// [`Telemetry`]: pgoutbox::metrics::Telemetry
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_turns_unhealthy_when_nothing_beats_and_back() {
+    use pgoutbox::metrics::{http, Telemetry, HEALTH_STALE_AFTER};
+    let telemetry = Telemetry::new(Duration::from_secs(60));
+    let port = support::free_port();
+    let server = http::serve(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        std::sync::Arc::clone(&telemetry),
+    )
+    .await
+    .expect("listen");
+    let healthz = || async move {
+        let (code, body) = tokio::task::spawn_blocking(move || get(port, "/healthz"))
+            .await
+            .expect("join")
+            .expect("/healthz answers");
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        (code, json)
+    };
+    telemetry.beat();
+    let (code, json) = healthz().await;
+    assert_eq!(code, 200, "{json}");
+    assert_eq!(json["status"], "ok", "{json}");
+    let stale_ms = HEALTH_STALE_AFTER.as_millis() as u64;
+    // Every answer agrees with its own age of the last beat: 200 below the bound, 503 at or
+    // above it (the age is computed when the request is served, so no timing is assumed).
+    let mut unhealthy = None;
+    let deadline = std::time::Instant::now() + HEALTH_STALE_AFTER + scaled(Duration::from_secs(30));
+    while std::time::Instant::now() < deadline {
+        let (code, json) = healthz().await;
+        let since = json["since_last_turn_ms"]
+            .as_u64()
+            .expect("since_last_turn_ms");
+        if since < stale_ms {
+            assert_eq!((code, &json["status"]), (200, &"ok".into()), "{json}");
+        } else {
+            assert_eq!(code, 503, "{json}");
+            unhealthy = Some(json);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let json = unhealthy.expect("/healthz never turned 503");
+    eprintln!("/healthz with no beat: 503 {json}");
+    assert_eq!(json["status"], "unhealthy", "{json}");
+    assert_eq!(json["reason"], "loop_not_turning", "{json}");
+    telemetry.beat();
+    let (code, json) = healthz().await;
+    assert_eq!(code, 200, "after a beat: {json}");
+    assert_eq!(json["status"], "ok", "{json}");
+    assert!(json["reason"].is_null(), "{json}");
+    server.abort();
+}
+
+/// Issue 21 item 11: the settling counters, read from `/metrics`. Through one exchange: two
+/// routed messages; one nacked for good (a queue with `x-max-length` 0 and `x-overflow:
+/// reject-publish`, `--max-attempts 3`: 3 nacks, 2 retries, then a dead letter `nacked`);
+/// one unroutable (no queue bound for its key: 1 return, a dead letter `returned`); one
+/// poison (not an envelope: a dead letter `poison`, never published).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_counters_count_nacks_retries_returns_and_dead_letters() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let pg = Postgres::shared();
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(pg, &url, "obs_counters").await;
+    let exchange = support::unique("obs_counters_x");
+    let queue = support::unique("obs_counters_q");
+    let full = support::unique("obs_counters_full");
+    support::declare_bound_queue(&url, &exchange, &queue, "ok.#").await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let conn = support::amqp_connect(&url).await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_declare(
+        full.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .expect("declare the full queue");
+    ch.queue_bind(
+        full.as_str().into(),
+        exchange.as_str().into(),
+        "full.#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("bind");
+    let _ = conn.close(200, "bye".into()).await;
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let streamer = ob.run(&[
+        "--exchange",
+        &exchange,
+        "--max-attempts",
+        "3",
+        "--http-addr",
+        &addr,
+    ]);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    ob.emit("ok.1", "routed-1");
+    ob.emit("full.1", "nacked");
+    ob.emit("nobody.listens", "returned");
+    ob.sql("SELECT pg_logical_emit_message(true, 'pgoutbox', 'not an envelope')");
+    let last = ob.emit("ok.2", "routed-2");
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        "{}",
+        streamer.log()
+    );
+    let dead =
+        |reason: &str| format!("pgoutbox_messages_dead_lettered_total{{reason=\"{reason}\"}}");
+    let expected: Vec<(String, f64)> = vec![
+        ("pgoutbox_messages_published_total".into(), 6.0),
+        ("pgoutbox_messages_confirmed_total".into(), 2.0),
+        ("pgoutbox_messages_nacked_total".into(), 3.0),
+        ("pgoutbox_messages_retried_total".into(), 2.0),
+        ("pgoutbox_messages_returned_total".into(), 1.0),
+        (dead("nacked"), 1.0),
+        (dead("returned"), 1.0),
+        (dead("poison"), 1.0),
+        (dead("too_large"), 0.0),
+        (dead("publish_refused"), 0.0),
+        ("pgoutbox_unconfirmed_messages".into(), 0.0),
+    ];
+    let seen = |text: &str| -> Vec<(String, f64)> {
+        expected
+            .iter()
+            .map(|(series, _)| (series.clone(), sample(text, series).unwrap_or(-1.0)))
+            .collect()
+    };
+    // The counters reach the registry at the loop's next turn: wait for it.
+    let settled = support::wait_until(scaled(Duration::from_secs(20)), || async {
+        seen(&scrape(port)) == expected
+    })
+    .await;
+    let text = scrape(port);
+    assert!(
+        settled,
+        "expected {expected:?}\n got {:?}\n{}",
+        seen(&text),
+        streamer.log()
+    );
+    assert_eq!(
+        ob.sql("SELECT string_agg(reason, ',' ORDER BY reason) FROM outbox.dead_letter")
+            .trim(),
+        "nacked,poison,returned"
     );
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }
