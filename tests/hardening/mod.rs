@@ -644,6 +644,7 @@ async fn a_tls_file_read_that_blocks_does_not_stall_the_runtime() {
         "run did not end on SIGTERM while reading a TLS file blocked:\n{}",
         streamer.log()
     );
+}
 
 /// Whether process `pid` catches SIGTERM (bit 15 of `SigCgt` in `/proc/<pid>/status`): the
 /// signal handler is installed, so a SIGTERM sent now is the program's to handle, not the
