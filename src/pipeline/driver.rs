@@ -369,25 +369,7 @@ impl Sessions<'_> {
             timeline: ended.identity.timeline,
             recorded: ended.recorded.get(),
         });
-        // From the record, not the watermark, when the watermark is ahead of it (the
-        // record's slack, confirms collected after PostgreSQL went away): a database
-        // restored meanwhile may hold other transactions in that range. What this process
-        // settled there is remembered and not sent again ([`super::delivered`]).
-        let flushed = core.flushed();
-        memory.resume = Some(
-            memory
-                .seen
-                .as_ref()
-                .map_or(flushed, |seen| flushed.min(seen.recorded)),
-        );
-        memory.delivered = core.take_delivered();
-        if !memory.delivered.is_empty() {
-            tracing::debug!(
-                resume_lsn = %memory.resume.unwrap_or_default(),
-                settled_above = memory.delivered.len(),
-                "the next session resumes from the recorded flush LSN; the messages settled above it are not sent again"
-            );
-        }
+        memory.resume_after(core.flushed(), core.take_delivered());
         memory.unsettled_at_end = core.unsettled();
         memory.stalled_since = core.stalled_since();
         if let Some(limit) = core.broker_limit() {

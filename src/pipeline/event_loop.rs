@@ -378,18 +378,30 @@ impl Core {
                 }
                 // PRIORITY 7: new WAL, guarded by the window. Cancel safety: read_buf.
                 read = self.stream.fill_not_before(self.next_read_at), if g.streaming && g.room && !buffered => {
-                    match read {
-                        Ok(n) => {
-                            buffered = true;
-                            self.coalesce_after(n);
-                        }
-                        Err(e) => drain = self.on_error(e.into())?,
-                    }
+                    self.on_read(read, &mut buffered, &mut drain)?;
                 }
                 // PRIORITY 8: frames left in the buffer from a full batch.
                 _ = std::future::ready(()), if g.streaming && g.room && buffered => {}
             }
         }
+    }
+
+    /// New WAL was read (`n` bytes, now buffered), or reading failed (the session drains
+    /// or ends as [`Core::on_error`] decides).
+    fn on_read(
+        &mut self,
+        read: Result<usize, crate::replication::Error>,
+        buffered: &mut bool,
+        drain: &mut Option<Drain>,
+    ) -> Result<(), Error> {
+        match read {
+            Ok(n) => {
+                *buffered = true;
+                self.coalesce_after(n);
+            }
+            Err(e) => *drain = self.on_error(e.into())?,
+        }
+        Ok(())
     }
 
     /// What enables this turn's branches.

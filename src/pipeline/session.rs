@@ -81,6 +81,28 @@ impl SessionMemory {
         }
     }
 
+    /// What a session's end leaves for the next one's start: it resumes from the record,
+    /// not the watermark (`flushed`), when the watermark is ahead of it (the record's
+    /// slack, confirms collected after PostgreSQL went away): a database restored
+    /// meanwhile may hold other transactions in that range. What this process settled
+    /// there (`delivered`) is not sent again ([`super::delivered`]). Call after `seen` is
+    /// set.
+    pub fn resume_after(&mut self, flushed: Lsn, delivered: super::delivered::Delivered) {
+        let resume = self
+            .seen
+            .as_ref()
+            .map_or(flushed, |seen| flushed.min(seen.recorded));
+        self.resume = Some(resume);
+        self.delivered = delivered;
+        if !self.delivered.is_empty() {
+            tracing::debug!(
+                resume_lsn = %resume,
+                settled_above = self.delivered.len(),
+                "the next session resumes from the recorded flush LSN; the messages settled above it are not sent again"
+            );
+        }
+    }
+
     /// Counts the failures that reading the same WAL again repeats (a frame that does not
     /// decode, [`Error::Decode`]; a frame that breaks the transaction order,
     /// [`Error::StreamOrder`]) at one LSN across sessions; the [`DECODE_FAILURE_LIMIT`]th
