@@ -295,9 +295,11 @@ async fn stalled_partition_fills_the_bound(bound: Bound) {
 /// closes its socket with `a-2`..`a-4` unacked. The flush LSN never passes `a-2` while
 /// those stay unacked, through the reconnect; the next session publishes `a-2`..`a-4`
 /// again on partition 0's new connection, in order (a loss would leave one out), and
-/// `b-2`..`b-4` again on partition 1's (duplicates: they were acked, but behind `a-2`),
-/// while `b-0` and `b-1`, acked below the flush LSN, are not sent again (B's acks counted,
-/// nothing of them lost). Once A's new connection acks, the slot passes the last message.
+/// nothing on partition 1's: `b-0` and `b-1` were acked below the flush LSN, and `b-2`..`b-4`,
+/// acked but behind `a-2`, are read again and recognised as settled by this process
+/// (issue 21 item 8: the same WAL position and content), so B's acks count and nothing of
+/// them is lost or sent twice. Once A's new connection acks, the slot passes the last
+/// message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_closed_mid_window_settles_nothing_it_did_not_ack() {
     let pg = Postgres::shared();
@@ -354,8 +356,7 @@ async fn a_partition_closed_mid_window_settles_nothing_it_did_not_ack() {
     let mut highest = before_close;
     support::wait_until(long, || {
         highest = highest.max(ob.confirmed_flush());
-        let done =
-            highest >= first_unacked || (a2.publishes().len() >= 3 && b2.acked_through() >= 3);
+        let done = highest >= first_unacked || a2.publishes().len() >= 3;
         async move { done }
     })
     .await;
@@ -365,23 +366,16 @@ async fn a_partition_closed_mid_window_settles_nothing_it_did_not_ack() {
         ids(&a2),
         streamer.log()
     );
-    let replayed = a2.publishes().len() >= 3 && b2.acked_through() >= 3;
     assert!(
-        replayed,
-        "after the reconnect: A got {:?}, B acked {:?}:\n{}",
+        a2.publishes().len() >= 3,
+        "after the reconnect: A got {:?}:\n{}",
         ids(&a2),
-        acked_ids(&b2),
         streamer.log()
     );
     assert_eq!(
         ids(&a2),
         range("a", 2, 4),
         "A's unacked messages published again, in order, and only those"
-    );
-    assert_eq!(
-        ids(&b2),
-        range("b", 2, 4),
-        "B: what is behind a-2 again, and not b-0, b-1 (acknowledged)"
     );
     let now = ob.confirmed_flush();
     assert!(
@@ -400,6 +394,12 @@ async fn a_partition_closed_mid_window_settles_nothing_it_did_not_ack() {
         "the slot passes the last message once A's new connection acks: flush {:X}:\n{}",
         ob.confirmed_flush(),
         streamer.log()
+    );
+    // Every message read again was settled on B already: B's new connection got none.
+    assert_eq!(
+        ids(&b2),
+        Vec::<String>::new(),
+        "B: nothing again (b-0, b-1 acknowledged; b-2..b-4 settled before the reconnect)"
     );
     // Nothing lost: every message was acked on some connection of its partition.
     let mut acked: Vec<String> = [&a1, &a2, &b1, &b2]
