@@ -101,6 +101,28 @@ fn main() -> ExitCode {
     }
 }
 
+/// `setup` just created `slot`, starting at `start`: when `outbox.stream_state` records
+/// that a slot of this name streamed before, says so on stderr with the range that may
+/// never have been delivered, as `run` will refuse it (the gap rule). A record that cannot
+/// be read is left to `run`.
+async fn warn_recreated_slot(
+    client: &tokio_postgres::Client,
+    schema: &pgoutbox::outbox_schema::SchemaName,
+    slot: &str,
+    start: &str,
+) {
+    let Ok(Some(record)) = pgoutbox::stream_state::load(client, schema, slot).await else {
+        return;
+    };
+    eprintln!(
+        "warning: slot {slot} was created now, but {} records that a slot of this name streamed up to {} (written {}): outbox messages committed between {} and {start} may never have been delivered. `run` refuses to start until the gap is accepted: recover those messages if they matter, then run once with --accept-gap (see docs/src/operators/gaps.md)",
+        schema.rewrite("outbox.stream_state"),
+        record.flush_lsn,
+        record.updated_at,
+        record.flush_lsn,
+    );
+}
+
 /// Names, on stderr, the book page that explains `setting` (a flag such as
 /// `--max-in-flight`), under an error about it. Text logs only: under `--log-format json`
 /// the exit report stays the last line and one JSON object (it names the setting).
@@ -388,6 +410,10 @@ async fn try_main(job: Job) -> Result<u8, Error> {
                 },
                 report.confirmed_flush_lsn
             );
+            if report.slot_created {
+                warn_recreated_slot(&client, &schema, &args.db.slot, &report.confirmed_flush_lsn)
+                    .await;
+            }
             let lockdown = if args.lockdown {
                 Some(admin::lock(&client).await?)
             } else if args.unlock {

@@ -400,6 +400,26 @@ pub async fn check_background_privileges(
     Ok(warnings)
 }
 
+/// Makes every commit so far readable by logical decoding, which reads only WAL flushed to
+/// disk: under `synchronous_commit = off` a committed emit may stay unflushed for up to
+/// three `wal_writer_delay`s, and `peek` and `status` then said "0 waiting". A transaction
+/// that writes WAL (an empty logical message under a prefix `run` ignores) and commits with
+/// `synchronous_commit = local` flushes the WAL up to its commit, every earlier commit with
+/// it, without waiting for a standby (which may be `run` itself). Best effort: a role that
+/// may not emit (under lockdown) or a server in recovery counts what is flushed.
+async fn flush_wal(client: &Client) {
+    let flushed = client
+        .batch_execute(
+            "BEGIN; SET LOCAL synchronous_commit = local; \
+             SELECT pg_logical_emit_message(true, 'pgoutbox-flush', ''); COMMIT;",
+        )
+        .await;
+    if let Err(e) = flushed {
+        let _ = client.batch_execute("ROLLBACK").await;
+        tracing::debug!(error = %e, "could not flush the WAL before peeking; counting what is flushed");
+    }
+}
+
 /// Counts outbox messages the slot still holds, without consuming them
 /// (`pg_logical_slot_peek_binary_changes`, pgoutput `M` frames with our prefix).
 ///
@@ -502,6 +522,7 @@ pub async fn count_waiting(
     publication: &str,
     prefix: &MessagePrefix,
 ) -> Result<WaitingCount, Error> {
+    flush_wal(client).await;
     let tx = client
         .transaction()
         .await
@@ -704,6 +725,7 @@ pub async fn peek_waiting(
         )));
     }
     let scan = (limit.saturating_add(1).saturating_mul(4)).clamp(1000, i64::from(i32::MAX));
+    flush_wal(client).await;
     let tx = client
         .transaction()
         .await

@@ -95,6 +95,16 @@ async fn a_recreated_slot_is_refused_naming_the_range_until_the_gap_is_accepted(
         .trim()
         .to_owned();
     assert!(lsn(&to) > lsn(&from), "{to} > {from}");
+    // `setup` itself says the slot it created has a recorded history, and the range.
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!("slot {} was created now, but", ob.slot))
+            && said.contains(&format!(
+                "outbox messages committed between {from} and {to} may never have been delivered"
+            ))
+            && said.contains("--accept-gap"),
+        "setup recreating a slot with a recorded history says so:\n{said}"
+    );
     emit(&ob, "after", 4);
 
     let refused = ob.run(&[]);

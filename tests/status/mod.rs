@@ -531,3 +531,25 @@ async fn peek_lists_waiting_messages_without_consuming_them() {
     streamer.sigterm();
     streamer.wait_exit(scaled(Duration::from_secs(20))).await;
 }
+
+/// Issue 21 item 14: decoding reads only flushed WAL, and under `synchronous_commit = off`
+/// a committed emit may not be flushed yet (here the WAL writer waits 10 s between
+/// flushes): `status` and `peek` flush the WAL first instead of saying "0 waiting".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_peek_count_a_commit_not_yet_flushed() {
+    let pg = Postgres::start_private(&[("wal_writer_delay", "10000ms")]);
+    let ob = Outbox::new(&pg, &RabbitMq::shared().url(), "status_async").await;
+    // Whatever the set-up wrote is flushed; the emit below is not.
+    flush_wal(&ob);
+    ob.sql("SET synchronous_commit = off; SELECT outbox.emit('st.a', '{}', '{}', 'async-1')");
+    let (_, json, err) = status(&ob, &[]);
+    assert_eq!(json["pending_outbox_messages"], 1, "{json} {err}");
+    ob.sql("SET synchronous_commit = off; SELECT outbox.emit('st.a', '{}', '{}', 'async-2')");
+    let (code, json, err) = peek(&ob, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let ids: Vec<&str> = json["messages"]
+        .as_array()
+        .map(|m| m.iter().filter_map(|m| m["message_id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(ids, ["async-1", "async-2"], "{json}");
+}

@@ -79,7 +79,7 @@ impl<'a> Outbox<'a> {
             "--slot".into(),
             self.slot.clone(),
         ]);
-        std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        std::process::Command::new(crate::support::cli::bin())
             .args(&full)
             .env("NO_COLOR", "1")
             .env("PGOUTBOX_HTTP_ADDR", "off")
