@@ -23,7 +23,8 @@ use crate::config::{
     UnroutablePolicy, ValidationError, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
-    DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT_BUSY_TIMEOUT, DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
+    DEFAULT_RECONNECT_BACKOFF_MAX, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT_BUSY_TIMEOUT,
+    DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 use crate::secrets::{Secret, Sources, Target};
@@ -228,6 +229,11 @@ pub struct BoundsArgs {
     /// 600000; it ends early once nothing is unconfirmed).
     #[arg(long, env = "PGOUTBOX_POSTGRES_LOSS_DRAIN_MS", default_value_t = DEFAULT_POSTGRES_LOSS_DRAIN.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
     pub postgres_loss_drain_ms: u64,
+    /// Longest wait in milliseconds between two reconnect attempts: the backoff doubles
+    /// from 500 ms up to it, with jitter, and starts over after a session that streamed
+    /// (500 to 600000).
+    #[arg(long, env = "PGOUTBOX_RECONNECT_BACKOFF_MAX_MS", default_value_t = DEFAULT_RECONNECT_BACKOFF_MAX.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    pub reconnect_backoff_max_ms: u64,
 }
 
 /// `run`'s observability options.
@@ -491,6 +497,7 @@ impl BoundsArgs {
             read_coalesce: Duration::from_micros(self.read_coalesce_us),
             shutdown_timeout: Duration::from_secs(self.shutdown_timeout_s),
             postgres_loss_drain: Duration::from_millis(self.postgres_loss_drain_ms),
+            reconnect_backoff_max: Duration::from_millis(self.reconnect_backoff_max_ms),
         }
     }
 }

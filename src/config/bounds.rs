@@ -80,6 +80,16 @@ pub const DEFAULT_POSTGRES_LOSS_DRAIN: Duration = Duration::from_secs(5);
 /// Largest `--postgres-loss-drain-ms`: ten minutes; the reconnect waits that long at worst.
 pub const POSTGRES_LOSS_DRAIN_CAP: Duration = Duration::from_secs(600);
 
+/// The longest wait between two sessions (`--reconnect-backoff-max-ms`): the reconnect
+/// backoff doubles from 0.5 s up to it, with jitter.
+pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Smallest `--reconnect-backoff-max-ms`: the backoff's first step, 0.5 s.
+pub const RECONNECT_BACKOFF_MAX_MIN: Duration = Duration::from_millis(500);
+
+/// Largest `--reconnect-backoff-max-ms`: ten minutes.
+pub const RECONNECT_BACKOFF_MAX_CAP: Duration = Duration::from_secs(600);
+
 /// How much `run` holds and for how long (`--max-in-flight`, `--max-in-flight-bytes`,
 /// `--max-message-bytes`, `--broker-max-message-bytes`, `--max-attempts`,
 /// `--read-coalesce-us`, `--shutdown-timeout-s`, `--postgres-loss-drain-ms`).
@@ -110,6 +120,8 @@ pub struct PipelineBounds {
     /// How long to keep collecting broker confirms after the Postgres connection broke
     /// (it ends early once nothing is unconfirmed).
     pub postgres_loss_drain: Duration,
+    /// The longest wait between two sessions: the reconnect backoff's cap.
+    pub reconnect_backoff_max: Duration,
 }
 
 impl Default for PipelineBounds {
@@ -123,6 +135,7 @@ impl Default for PipelineBounds {
             read_coalesce: DEFAULT_READ_COALESCE,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             postgres_loss_drain: DEFAULT_POSTGRES_LOSS_DRAIN,
+            reconnect_backoff_max: DEFAULT_RECONNECT_BACKOFF_MAX,
         }
     }
 }
@@ -182,6 +195,13 @@ impl PipelineBounds {
             self.postgres_loss_drain.as_millis(),
             0,
             POSTGRES_LOSS_DRAIN_CAP.as_millis(),
+            "milliseconds",
+        )?;
+        check_range(
+            "--reconnect-backoff-max-ms",
+            self.reconnect_backoff_max.as_millis(),
+            RECONNECT_BACKOFF_MAX_MIN.as_millis(),
+            RECONNECT_BACKOFF_MAX_CAP.as_millis(),
             "milliseconds",
         )?;
         if self.read_coalesce > MAX_READ_COALESCE {

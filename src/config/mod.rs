@@ -32,9 +32,10 @@ pub mod retention;
 pub use bounds::{
     PipelineBounds, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_READ_COALESCE,
-    DEFAULT_SHUTDOWN_TIMEOUT, MAX_ATTEMPTS_CAP, MAX_IN_FLIGHT_BYTES_CAP, MAX_IN_FLIGHT_CAP,
-    MAX_MESSAGE_BYTES_CAP, MAX_READ_COALESCE, MAX_STATUS_INTERVAL, POSTGRES_LOSS_DRAIN_CAP,
-    SHUTDOWN_TIMEOUT_CAP, STATUS_COALESCE,
+    DEFAULT_RECONNECT_BACKOFF_MAX, DEFAULT_SHUTDOWN_TIMEOUT, MAX_ATTEMPTS_CAP,
+    MAX_IN_FLIGHT_BYTES_CAP, MAX_IN_FLIGHT_CAP, MAX_MESSAGE_BYTES_CAP, MAX_READ_COALESCE,
+    MAX_STATUS_INTERVAL, POSTGRES_LOSS_DRAIN_CAP, RECONNECT_BACKOFF_MAX_CAP,
+    RECONNECT_BACKOFF_MAX_MIN, SHUTDOWN_TIMEOUT_CAP, STATUS_COALESCE,
 };
 pub use broker::{
     order_amqp_urls, split_amqp_urls, validate_amqp_urls, AllowedExchanges, AmqpUrlOrder,
@@ -313,6 +314,12 @@ mod tests {
                 "--postgres-loss-drain-ms",
                 |c, v| c.bounds.postgres_loss_drain = Duration::from_millis(v),
                 0,
+                600_000,
+            ),
+            (
+                "--reconnect-backoff-max-ms",
+                |c, v| c.bounds.reconnect_backoff_max = Duration::from_millis(v),
+                500,
                 600_000,
             ),
             (

@@ -40,8 +40,9 @@ const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 const STREAMED_SESSION: Duration = Duration::from_secs(5);
 /// Bounds of the delay between two sessions; jitter stays inside the cap.
 pub const RECONNECT_MIN: Duration = Duration::from_millis(500);
-/// See [`RECONNECT_MIN`]: the longest wait between two sessions.
-pub const RECONNECT_MAX: Duration = Duration::from_secs(30);
+/// See [`RECONNECT_MIN`]: the longest wait between two sessions unless
+/// `--reconnect-backoff-max-ms` says otherwise.
+pub const RECONNECT_MAX: Duration = crate::config::DEFAULT_RECONNECT_BACKOFF_MAX;
 
 /// Capped exponential backoff with jitter (backon), the cap applied after the jitter.
 fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
@@ -160,7 +161,7 @@ fn first_memory(config: &RunConfig) -> SessionMemory {
 }
 
 /// Streams until `shutdown` turns true (then drains) or a definite error, reconnecting with
-/// capped exponential backoff and jitter ([`RECONNECT_MIN`] to [`RECONNECT_MAX`]) after every
+/// capped exponential backoff and jitter ([`RECONNECT_MIN`] to `--reconnect-backoff-max-ms`, [`RECONNECT_MAX`] by default) after every
 /// retryable failure (broker or Postgres connection lost, channel closed, server restart).
 /// The backoff starts again from [`RECONNECT_MIN`] after a session that streamed for
 /// [`STREAMED_SESSION`] (or lasted [`HEALTHY_SESSION`]), so one outage's backoff does not
@@ -263,7 +264,8 @@ impl Sessions<'_> {
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<RunSummary, Error> {
         let mut summary = RunSummary::default();
-        let mut delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
+        let cap = self.config.bounds.reconnect_backoff_max;
+        let mut delays = backoff(RECONNECT_MIN, cap);
         loop {
             let began = Instant::now();
             memory.streaming_since = None;
@@ -288,9 +290,9 @@ impl Sessions<'_> {
                 .streaming_since
                 .is_some_and(|since| since.elapsed() >= STREAMED_SESSION);
             if streamed || began.elapsed() > HEALTHY_SESSION {
-                delays = backoff(RECONNECT_MIN, RECONNECT_MAX);
+                delays = backoff(RECONNECT_MIN, cap);
             }
-            let delay = delays.next().unwrap_or(RECONNECT_MAX);
+            let delay = delays.next().unwrap_or(cap);
             summary.reconnects += 1;
             self.telemetry.reconnect(reconnect_cause(&error));
             tracing::warn!(

@@ -862,3 +862,48 @@ async fn sigterm_during_a_dead_letter_lock_wait() {
         "acknowledged once written\n{log}"
     );
 }
+
+/// Issue 21 item 14: the reconnect backoff's cap is a setting (`--reconnect-backoff-max-ms`,
+/// default 30 s). With a cap of 1 s and no broker listening, every wait between two
+/// attempts is at most 1 s, while the backoff still doubles from 0.5 s up to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconnect_backoff_cap_is_a_setting() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new(pg, &rmq.url(), "backoff_cap").await;
+    let nobody = format!("amqp://guest:guest@127.0.0.1:{}/%2f", support::free_port());
+    let streamer = ob.run_with_amqp_url(&nobody, &["--reconnect-backoff-max-ms", "1000"]);
+    let attempts = 8;
+    assert!(
+        support::wait_until(scaled(Duration::from_secs(60)), || async {
+            streamer.log_count("session failed; reconnecting") >= attempts
+        })
+        .await,
+        "{}",
+        streamer.log()
+    );
+    let log = streamer.log();
+    let waits: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("session failed; reconnecting"))
+        .filter_map(|l| {
+            l.split("retry_in_ms=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(waits.len() >= attempts, "{waits:?}\n{log}");
+    assert!(
+        waits.iter().all(|w| *w <= 1000),
+        "capped at 1 s: {waits:?}\n{log}"
+    );
+    assert!(
+        waits.iter().any(|w| *w > 500),
+        "the backoff grows past its first step: {waits:?}"
+    );
+    streamer.sigterm();
+    streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+}
