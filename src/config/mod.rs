@@ -261,7 +261,7 @@ mod tests {
     fn every_numeric_and_duration_setting_has_bounds() {
         type Set = fn(&mut RunSettings, u64);
         // (setting, how to set it, lowest accepted, highest accepted)
-        let cases: [(&str, Set, u64, u64); 10] = [
+        let cases: [(&str, Set, u64, u64); 11] = [
             (
                 "--max-in-flight",
                 |c, v| c.bounds.max_in_flight = v as usize,
