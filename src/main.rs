@@ -12,10 +12,21 @@ macro_rules! println {
         let _ = writeln!(std::io::stdout(), $($arg)*);
     }};
 }
+// Once the log is set up, what this file writes to stderr goes through the log's writer
+// ([`LOG`]), one whole line at a time, so an exit report never overtakes the log lines
+// queued before it.
 macro_rules! eprintln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        match LOG.get() {
+            Some(log) => {
+                let line = format!("{}\n", format_args!($($arg)*));
+                let _ = log.clone().write_all(line.as_bytes());
+            }
+            None => {
+                let _ = writeln!(std::io::stderr(), $($arg)*);
+            }
+        }
     }};
 }
 
@@ -45,7 +56,8 @@ fn main() -> ExitCode {
         Command::Docs(cmd) => return docs(cmd),
         other => other,
     };
-    init_tracing(cli.log_format);
+    // Held to the end of `main`: dropping it writes out the log lines still queued.
+    let _log = init_tracing(cli.log_format);
     // Settings are parsed and checked once, here, before anything else happens, so a bad
     // one is a usage error (exit 2), like the ones clap finds, and never a panic later (a
     // shutdown timeout of u64::MAX seconds used to overflow `Instant` at SIGTERM). What
@@ -162,8 +174,27 @@ fn docs(cmd: DocsCommand) -> ExitCode {
 #[error("cannot start the tokio runtime")]
 struct RuntimeStart(#[source] std::io::Error);
 
-/// Installs the stderr subscriber in `format`, behind the filters that keep secrets out.
-fn init_tracing(format: LogFormat) {
+/// Lines the log's writer thread may hold before whoever logs waits for it: about 2 MB of
+/// log at 200 bytes a line.
+const LOG_BUFFER_LINES: usize = 10_000;
+
+/// The log's writer, set by [`init_tracing`]: a handle on a thread of its own
+/// (`pgoutbox-log`) that writes the log's lines to stderr in the order they were logged.
+///
+/// The pipeline runs on one thread; writing to stderr from it stopped the whole pipeline
+/// (replication reads, keepalive replies, publisher confirms) whenever stderr did not take
+/// the write: a pipe nobody reads, a stalled log collector, a suspended terminal. With the
+/// writer thread, logging costs a queue push. The queue is lossless: when
+/// [`LOG_BUFFER_LINES`] lines wait, logging waits too (backpressure, never a dropped line).
+static LOG: std::sync::OnceLock<tracing_appender::non_blocking::NonBlocking> =
+    std::sync::OnceLock::new();
+
+/// Installs the stderr subscriber in `format`, behind the filters that keep secrets out,
+/// writing through [`LOG`]. The returned guard flushes the queued lines when dropped (it
+/// waits about a second at most for a stderr that takes nothing), so `main` holds it to the
+/// end.
+#[must_use = "dropping the guard stops the log's writer"]
+fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuard {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -186,7 +217,13 @@ fn init_tracing(format: LogFormat) {
             true
         }
     });
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .buffered_lines_limit(LOG_BUFFER_LINES)
+        .thread_name("pgoutbox-log")
+        .finish(std::io::stderr());
+    let _ = LOG.set(writer.clone());
+    let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
     let layer = match format {
         LogFormat::Text => fmt
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -209,6 +246,7 @@ fn init_tracing(format: LogFormat) {
             tracing::error!(target: "pgoutbox", panic = %info, "pgoutbox panicked: this is a bug, please report it");
         }));
     }
+    guard
 }
 
 /// Prints the report of an error that ends the process: with `text`, the error and its
@@ -240,9 +278,6 @@ fn report_exit(format: LogFormat, error: &(dyn std::error::Error + 'static)) {
     }
 }
 
-/// Reports a command line clap refused and returns its exit status (2). `--help` and
-/// `--version` go to stdout as usual. When `--log-format json` (or `PGOUTBOX_LOG_FORMAT=json`)
-/// can be read from the raw arguments, the error is one JSON object on stderr: the
 /// Reports a command line clap refused and returns its exit status (2). `--help` and
 /// `--version` go to stdout as usual. When `--log-format json` (or `PGOUTBOX_LOG_FORMAT=json`)
 /// can be read from the raw arguments, the error is one JSON object on stderr: the
@@ -282,7 +317,7 @@ fn usage_error(e: clap::Error) -> ExitCode {
         }
         return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE));
     }
-    init_tracing(LogFormat::Json);
+    let _log = init_tracing(LogFormat::Json);
     let text = e.render().to_string();
     let text = text.trim_end();
     tracing::error!(target: "pgoutbox", "{}", text.strip_prefix("error: ").unwrap_or(text));

@@ -320,7 +320,14 @@ impl Settling {
         self.latency.observe_us(now_us - m.commit_time_us);
         if let Some(Failpoint::AbortAfterConfirms(n)) = self.rules.failpoint {
             if summary.confirmed >= n {
-                tracing::error!(lsn = %m.lsn, confirmed = n, "failpoint abort-after-confirms: aborting");
+                // Written to stderr directly, not logged: the log's writer thread gets no
+                // chance to write out its queue before an abort.
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "failpoint abort-after-confirms: aborting lsn={} confirmed={n}",
+                    m.lsn
+                );
                 std::process::abort();
             }
         }

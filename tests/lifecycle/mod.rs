@@ -63,7 +63,7 @@ async fn sigterm_drain_that_times_out_exits_non_zero_after_the_timeout() {
         "{log}"
     );
     assert!(
-        ob.confirmed_flush() < held,
+        ob.not_acknowledged(held),
         "the unconfirmed message was not acknowledged"
     );
     // It is sent again by the next run.
@@ -197,6 +197,63 @@ async fn payloads_and_passwords_never_reach_the_log() {
     assert!(
         log.contains("TRACE pgoutbox::pipeline"),
         "trace logging was on:\n{log}"
+    );
+}
+
+/// docs/src/operators/configuration.md, "Logging": stderr that takes nothing (a pipe nobody
+/// reads, a stalled log collector) does not stop the stream, and loses no line. `run` logs
+/// at trace (two lines per transaction) into a pipe the test leaves unread while 2,000
+/// transactions are streamed: about ten times what a 64 KiB pipe holds. Every message is
+/// delivered while the pipe is full; then the pipe is read, and it holds every commit's line
+/// and the shutdown's, in order. When `run` wrote to stderr from its one runtime thread, the
+/// stream stopped at the first full pipe (a few hundred messages).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stderr_nobody_reads_neither_stops_the_stream_nor_loses_a_line() {
+    const N: usize = 2_000;
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "life_stderr_unread").await;
+    let (streamer, mut stderr) = ob.run_with_stderr_pipe(&[]);
+    ob.sql(&format!(
+        "DO $$ BEGIN FOR i IN 1..{N} LOOP PERFORM outbox.emit('u', jsonb_build_object('n', i), '{{}}', 'u-' || i); COMMIT; END LOOP; END $$"
+    ));
+    let got = ob.drain(N, scaled(Duration::from_secs(30))).await;
+    // Read only now: until here the pipe was full.
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut text).map(|_| text)
+    });
+    let ids: std::collections::HashSet<_> =
+        got.iter().filter_map(|m| m.message_id.clone()).collect();
+    assert_eq!(
+        ids.len(),
+        N,
+        "every message was delivered while stderr was not read ({} of {N})",
+        ids.len()
+    );
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    let log = reader.join().expect("reader").expect("read stderr");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    let commits = log.matches(": commit end_lsn=").count();
+    eprintln!(
+        "stderr unread: {} messages delivered, {} bytes of log, {commits} commit lines",
+        ids.len(),
+        log.len()
+    );
+    assert!(
+        commits >= N,
+        "no line was lost: {commits} commit lines for {N} transactions"
+    );
+    assert!(
+        log.len() > 4 * 65_536,
+        "the log was several times what the pipe holds ({} bytes)",
+        log.len()
+    );
+    let (requested, stopped) = (log.find("shutdown requested"), log.rfind("stopped"));
+    assert!(
+        requested.is_some() && stopped > requested,
+        "the last lines are the shutdown's, in order:\n{}",
+        &log[log.len().saturating_sub(2_000)..]
     );
 }
 

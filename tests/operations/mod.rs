@@ -623,7 +623,7 @@ async fn unroutable_message_under_block_policy_holds_the_slot_until_routable() {
         .log()
         .contains("unroutable message blocks the outbox"));
     assert!(
-        ob.confirmed_flush() < stuck_lsn,
+        ob.not_acknowledged(stuck_lsn),
         "nothing at or after it is acknowledged"
     );
     assert!(dead_letters(&ob).is_empty());
@@ -803,7 +803,7 @@ async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(
-        ob.confirmed_flush() < first_lsn,
+        ob.not_acknowledged(first_lsn),
         "nothing unconfirmed was acknowledged"
     );
     assert!(!pg
@@ -832,7 +832,7 @@ async fn blocked_broker_holds_the_window(window_args: &[&str], name: &str) -> (u
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("the timed-out drain counts what was in flight:\n{log}"));
     assert!(
-        ob.confirmed_flush() < first_lsn,
+        ob.not_acknowledged(first_lsn),
         "nothing unconfirmed was acknowledged"
     );
     rmq.unblock();

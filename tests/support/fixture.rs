@@ -186,6 +186,23 @@ impl<'a> Outbox<'a> {
     }
 
     fn run_with_urls(&self, url: &str, amqp_url: &str, extra: &[&str]) -> Streamer {
+        Streamer::spawn(
+            &self.run_args(url, amqp_url, extra),
+            &[("RUST_LOG", "info,pgoutbox=trace")],
+        )
+    }
+
+    /// Like [`Outbox::run`] with stderr a pipe nobody reads until the test does (see
+    /// [`Streamer::spawn_with_stderr_pipe`]).
+    pub fn run_with_stderr_pipe(&self, extra: &[&str]) -> (Streamer, std::process::ChildStderr) {
+        Streamer::spawn_with_stderr_pipe(
+            &self.run_args(&self.streamer_url(), &self.amqp_url, extra),
+            &[("RUST_LOG", "info,pgoutbox=trace")],
+        )
+    }
+
+    /// The arguments of `run` against this outbox.
+    fn run_args(&self, url: &str, amqp_url: &str, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "run".into(),
             "--database-url".into(),
@@ -201,7 +218,7 @@ impl<'a> Outbox<'a> {
             args.extend(["--exchange".into(), self.exchange.clone()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        Streamer::spawn(&args, &[("RUST_LOG", "info,pgoutbox=trace")])
+        args
     }
 
     /// Runs SQL as the superuser in this database.
@@ -216,6 +233,67 @@ impl<'a> Outbox<'a> {
             self.slot
         ));
         text.trim().parse::<f64>().expect("confirmed_flush_lsn") as u64
+    }
+
+    /// The start LSN of the commit record of the transaction that wrote the logical message
+    /// ending at `message_lsn` (what `outbox.emit` and `pg_logical_emit_message` return),
+    /// read from the WAL with `pg_walinspect`.
+    ///
+    /// Postgres skips, when a slot is read again, exactly the transactions whose commit
+    /// record starts before the slot's confirmed_flush_lsn (`SnapBuildXactNeedsSkip` on the
+    /// commit's start), so a message is not acknowledged while `confirmed_flush() <=` this.
+    /// A keepalive may legitimately move the slot up to the message's own end (the walsender
+    /// had read that far before it decoded the commit), which is why `< message_lsn` is the
+    /// wrong test.
+    pub fn commit_start_of(&self, message_lsn: u64) -> u64 {
+        self.sql("CREATE EXTENSION IF NOT EXISTS pg_walinspect");
+        let text_of = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xFFFF_FFFF);
+        let at = text_of(message_lsn);
+        // The message record is small: it starts well within 64 KiB before its end.
+        let xid = self.sql(&format!(
+            "SELECT xid FROM pg_get_wal_records_info('{}', '{at}') \
+             WHERE end_lsn = '{at}' AND resource_manager = 'LogicalMessage'",
+            text_of(message_lsn.saturating_sub(1 << 16).max(1))
+        ));
+        let xid = xid.trim();
+        assert!(!xid.is_empty(), "no logical message record ends at {at}");
+        // Its commit follows it: read forward a growing stretch at a time (one query over all
+        // the WAL written since can take minutes on a busy shared cluster).
+        // pg_walinspect reads only flushed WAL, which under synchronous_commit = off (the
+        // test clusters) may end short of the commit for a moment.
+        let deadline = std::time::Instant::now() + super::scaled(Duration::from_secs(30));
+        let (mut from, mut len) = (message_lsn, 1u64 << 20);
+        while std::time::Instant::now() < deadline {
+            let flushed = lsn(&self.sql("SELECT pg_current_wal_flush_lsn()"));
+            if from >= flushed {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            let to = (from + len).min(flushed);
+            let text = self.sql(&format!(
+                "SELECT min(start_lsn) - '0/0'::pg_lsn FROM pg_get_wal_records_info('{}', '{}') \
+                 WHERE resource_manager = 'Transaction' AND record_type LIKE 'COMMIT%' AND xid = {xid}",
+                text_of(from),
+                text_of(to)
+            ));
+            if let Ok(commit) = text.trim().parse::<f64>() {
+                return commit as u64;
+            }
+            (from, len) = (to, len * 2);
+        }
+        panic!("no commit record of xid {xid} after the message ending at {at}")
+    }
+
+    /// Whether the message ending at `message_lsn` is still unacknowledged: the slot's
+    /// confirmed_flush_lsn is at or before its transaction's commit record
+    /// ([`Outbox::commit_start_of`]), so the next session is sent it again.
+    pub fn not_acknowledged(&self, message_lsn: u64) -> bool {
+        let commit = self.commit_start_of(message_lsn);
+        let flush = self.confirmed_flush();
+        eprintln!(
+            "message ending at {message_lsn:X}: commit record at {commit:X}, slot at {flush:X}"
+        );
+        flush <= commit
     }
 
     /// Waits up to `timeout` until the slot's confirmed_flush_lsn is past `lsn` (a message's

@@ -46,6 +46,62 @@ impl Streamer {
         let log_path = dir.path().join("pgoutbox.log");
         let out = std::fs::File::create(&log_path).expect("create log");
         let err = out.try_clone().expect("clone log fd");
+        Streamer::spawn_in(dir, log_path, program, args, env, out.into(), err.into())
+    }
+
+    /// Spawn `pgoutbox ARGS` like [`Streamer::spawn`], but with stderr a pipe whose read end
+    /// is returned: while nobody reads it, a write to stderr waits once the pipe holds
+    /// 64 KiB. stdout still goes to `log_path()`.
+    pub fn spawn_with_stderr_pipe<A, K, V>(
+        args: &[A],
+        env: &[(K, V)],
+    ) -> (Streamer, std::process::ChildStderr)
+    where
+        A: AsRef<std::ffi::OsStr>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
+        let program = std::env::var("PGOUTBOX_TEST_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_pgoutbox").to_owned());
+        let dir = tempfile::Builder::new()
+            .prefix("pgoutbox-streamer-")
+            .tempdir()
+            .expect("temp dir");
+        let log_path = dir.path().join("pgoutbox.log");
+        let out = std::fs::File::create(&log_path).expect("create log");
+        let streamer = Streamer::spawn_in(
+            dir,
+            log_path,
+            &program,
+            args,
+            env,
+            out.into(),
+            Stdio::piped(),
+        );
+        let stderr = streamer
+            .child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stderr
+            .take()
+            .expect("piped stderr");
+        (streamer, stderr)
+    }
+
+    fn spawn_in<A, K, V>(
+        dir: tempfile::TempDir,
+        log_path: PathBuf,
+        program: &str,
+        args: &[A],
+        env: &[(K, V)],
+        out: Stdio,
+        err: Stdio,
+    ) -> Streamer
+    where
+        A: AsRef<std::ffi::OsStr>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
         let mut cmd = Command::new(program);
         for (k, _) in std::env::vars_os() {
             let ks = k.to_string_lossy();
