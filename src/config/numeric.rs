@@ -496,7 +496,7 @@ pub static SHUTDOWN_TIMEOUT_S: NumericSetting = setting(
     Unit::Seconds,
     (0, SHUTDOWN_TIMEOUT_CAP.as_secs()),
     Some(DEFAULT_SHUTDOWN_TIMEOUT.as_secs()),
-    "Seconds a SIGINT/SIGTERM waits for outstanding confirms (at most one day)",
+    "Seconds a SIGINT/SIGTERM waits for outstanding confirms",
     None,
     |s| &mut s.bounds.shutdown_timeout,
 );
