@@ -73,30 +73,6 @@ pub fn validate_identifier(setting: &'static str, value: &str) -> Result<(), Val
     }
 }
 
-/// Checks `min <= value <= max` for a numeric setting.
-///
-/// # Errors
-/// [`ValidationError`] naming `setting`, with the range and its `unit` in the rule.
-pub fn check_range<T>(
-    setting: &'static str,
-    value: T,
-    min: T,
-    max: T,
-    unit: &str,
-) -> Result<(), ValidationError>
-where
-    T: PartialOrd + std::fmt::Display,
-{
-    if value < min || value > max {
-        return Err(ValidationError {
-            setting,
-            value: value.to_string(),
-            rule: format!("must be from {min} to {max} {unit}"),
-        });
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

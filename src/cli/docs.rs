@@ -298,6 +298,9 @@ fn setting_facts(s: &Setting) -> String {
     if let Some(default) = &s.default {
         facts.push(format!("default `{default}`"));
     }
+    if let Some(range) = &s.range {
+        facts.push(format!("range {range}"));
+    }
     match &s.value {
         ValueForm::Switch => facts.push("a switch".to_owned()),
         ValueForm::Number => facts.push("a whole number".to_owned()),
@@ -567,7 +570,11 @@ fn config_file_page() -> String {
                 .unwrap_or_default(),
             s.flag,
             flag_anchor(&run, &s.flag),
-            cell(&first_sentence(&s.doc))
+            cell(&match (&s.range, first_sentence(&s.doc)) {
+                (Some(range), first) if !first.contains(range.as_str()) =>
+                    format!("{first} ({range})"),
+                (_, first) => first,
+            })
         );
     }
     out

@@ -337,9 +337,8 @@ pub fn parse_age_secs(text: &str) -> Result<i64, String> {
     i64::try_from(age.as_secs()).map_err(|_| format!("too long; {fix}"))
 }
 
-/// Parses a whole number (ASCII digits only) for a numeric `run` option. The option's
-/// range is checked by [`crate::config::RunSettings::validate`], which names the setting, its environment
-/// variable and the bounds.
+/// Parses a whole number (ASCII digits only) for a numeric option outside `run`'s settings
+/// (`run`'s own go through [`crate::config::numeric`], whose parsers name the range too).
 ///
 /// # Errors
 /// A message naming the value and the accepted form (clap adds the flag).

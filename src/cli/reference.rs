@@ -3,7 +3,9 @@
 //! value and its doc. The CLI's declarations ([`super::run`] and the other argument
 //! structs) are the one source; the config file ([`crate::config_file`]) reads the same
 //! keys with the same value forms, and the generated reference (`docs/`) is written from
-//! [`settings`], so the three cannot drift.
+//! [`settings`], so the three cannot drift. The numeric and duration settings of `run`
+//! take their doc, range, default and parser from [`crate::config::numeric`]; the range is
+//! also read from there into [`Setting::range`].
 //!
 //! Call [`run_settings`] for `run` (and `check`, which takes the same options), or
 //! [`settings`] with a subcommand path (`["dead-letters", "list"]`) for another.
@@ -45,6 +47,10 @@ pub struct Setting {
     pub default: Option<String>,
     /// The form of the value.
     pub value: ValueForm,
+    /// The accepted range of a numeric or duration setting of `run` and `check`, from the
+    /// one table of [`crate::config::numeric`] (`1 to 1000000 messages`, `1s to 1d`);
+    /// `None` for the other settings.
+    pub range: Option<String>,
     /// The value's placeholder in `--help` (`MAX_IN_FLIGHT`); `None` for a switch.
     pub value_name: Option<String>,
     /// Whether the flag may be repeated (each adds a value; a file gives an array).
@@ -140,6 +146,10 @@ pub fn settings(path: &[&str]) -> Option<Vec<Setting>> {
                             .join(","),
                     ),
                 },
+                range: file
+                    .then(|| crate::config::numeric::by_flag(&format!("--{long}")))
+                    .flatten()
+                    .map(|s| s.range_text()),
                 value_name: (value != ValueForm::Switch)
                     .then(|| {
                         arg.get_value_names()
@@ -186,6 +196,12 @@ mod tests {
         assert_eq!(window.value, ValueForm::Number);
         assert_eq!(window.heading.as_deref(), Some("Pipeline bounds"));
         assert!(window.doc.contains("1 to 1000000"), "{}", window.doc);
+        assert_eq!(window.range.as_deref(), Some("1 to 1000000 messages"));
+        assert_eq!(
+            get("--maintenance-interval").range.as_deref(),
+            Some("1s to 1d")
+        );
+        assert_eq!(get("--slot").range, None);
         let order = get("--amqp-url-order");
         assert_eq!(
             order.value,

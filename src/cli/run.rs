@@ -4,9 +4,11 @@
 //! heading in `--help`.
 //!
 //! These declarations are the one source of every `run` setting's flag, environment
-//! variable, default and doc: the config file's keys are the long flags with `_` for `-`
-//! (except [`NOT_FILE_KEYS`]), read through the same value parsers
-//! ([`crate::config_file`]), and the reference is generated from them
+//! variable, default and doc, except the numeric and duration settings: their doc, range,
+//! default and parser come from the one table of [`crate::config::numeric`] (which
+//! [`RunSettings::validate`] reads too), so a range is written once. The config file's
+//! keys are the long flags with `_` for `-` (except [`NOT_FILE_KEYS`]), read through the
+//! same value parsers ([`crate::config_file`]), and the reference is generated from them
 //! ([`super::reference`]). [`RunArgs::into_config`] turns the parsed options into the
 //! validated [`RunConfig`].
 
@@ -15,16 +17,18 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::{parse_idempotency_retention, parse_journal_retention, parse_whole_number, DbArgs};
+use super::{parse_idempotency_retention, parse_journal_retention, DbArgs};
+use crate::config::numeric::{
+    BROKER_MAX_MESSAGE_BYTES, IDEMPOTENCY_RETENTION, JOURNAL_RETENTION, MAINTENANCE_INTERVAL,
+    MAX_ATTEMPTS, MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES, MAX_MESSAGE_BYTES, PARTITIONS,
+    POSTGRES_LOSS_DRAIN_MS, READ_COALESCE_US, RECONNECT_BACKOFF_MAX_MS, SHUTDOWN_TIMEOUT_S,
+    SLOT_BUSY_TIMEOUT_S, STALL_AFTER_S, STANDBY_POLL_MS,
+};
 use crate::config::{
     AllowedExchanges, AmqpUrlOrder, BrokerSettings, ExchangeDeclare, JournalMode,
     ObservabilitySettings, PartitionKey, Partitions, PipelineBounds, PostgresSettings,
     PublishProperties, PublishingSettings, Retention, RetentionSettings, RunConfig, RunSettings,
-    UnroutablePolicy, ValidationError, DEFAULT_EXCHANGE, DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_POSTGRES_LOSS_DRAIN, DEFAULT_PUBLICATION, DEFAULT_READ_COALESCE,
-    DEFAULT_RECONNECT_BACKOFF_MAX, DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SLOT_BUSY_TIMEOUT,
-    DEFAULT_STALL_AFTER, DEFAULT_STANDBY_POLL,
+    UnroutablePolicy, ValidationError, DEFAULT_EXCHANGE, DEFAULT_PUBLICATION,
 };
 use crate::metrics::DEFAULT_HTTP_ADDR;
 use crate::secrets::{Secret, Sources, Target};
@@ -81,31 +85,25 @@ pub struct PostgresArgs {
     /// version). Messages with other prefixes are acknowledged without publishing.
     #[arg(long, env = "PGOUTBOX_PREFIX")]
     pub prefix: Option<String>,
-    /// Seconds to keep retrying a slot held by another process before exiting; 0 waits
-    /// forever as a standby (0 to 2592000, 30 days).
-    #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", default_value_t = DEFAULT_SLOT_BUSY_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
+    /// `--slot-busy-timeout-s`: doc, range and default in [`crate::config::numeric::SLOT_BUSY_TIMEOUT_S`].
+    #[arg(long, env = "PGOUTBOX_SLOT_BUSY_TIMEOUT_S", help = SLOT_BUSY_TIMEOUT_S.help(), default_value = SLOT_BUSY_TIMEOUT_S.default_text(), value_parser = SLOT_BUSY_TIMEOUT_S.whole_number::<u64>())]
     pub slot_busy_timeout_s: u64,
-    /// Milliseconds between two looks of a standby at the slot's holder
-    /// (pg_replication_slots): START_REPLICATION is tried within one poll after the slot
-    /// is free. Jittered down by up to a fifth so standbys do not poll in step (10 to 60000).
-    #[arg(long, env = "PGOUTBOX_STANDBY_POLL_MS", default_value_t = DEFAULT_STANDBY_POLL.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    /// `--standby-poll-ms`: doc, range and default in [`crate::config::numeric::STANDBY_POLL_MS`].
+    #[arg(long, env = "PGOUTBOX_STANDBY_POLL_MS", help = STANDBY_POLL_MS.help(), default_value = STANDBY_POLL_MS.default_text(), value_parser = STANDBY_POLL_MS.whole_number::<u64>())]
     pub standby_poll_ms: u64,
     /// Start even though the slot's history has a gap (the slot was dropped and recreated,
     /// or the database is another cluster): the range that may be missing is logged and
     /// recorded in outbox.stream_state. A one-off decision: no variable, no file key.
     #[arg(long)]
     pub accept_gap: bool,
-    /// Delete outbox.journal rows confirmed longer ago than this: a duration such as 7d,
-    /// 12h, 30m, or 0 to keep them all.
-    #[arg(long, env = "PGOUTBOX_JOURNAL_RETENTION", default_value = "7d", value_parser = parse_journal_retention)]
+    /// `--journal-retention`: doc, range and default in [`crate::config::numeric::JOURNAL_RETENTION`].
+    #[arg(long, env = "PGOUTBOX_JOURNAL_RETENTION", help = JOURNAL_RETENTION.help(), default_value = JOURNAL_RETENTION.default_text(), value_parser = parse_journal_retention)]
     pub journal_retention: Retention,
-    /// Delete outbox.idempotency keys older than this (7d, 12h, 30m; 0 keeps them): after
-    /// it, a retried emit with the same key emits again.
-    #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", default_value = "7d", value_parser = parse_idempotency_retention)]
+    /// `--idempotency-retention`: doc, range and default in [`crate::config::numeric::IDEMPOTENCY_RETENTION`].
+    #[arg(long, env = "PGOUTBOX_IDEMPOTENCY_RETENTION", help = IDEMPOTENCY_RETENTION.help(), default_value = IDEMPOTENCY_RETENTION.default_text(), value_parser = parse_idempotency_retention)]
     pub idempotency_retention: Retention,
-    /// How often the retention task deletes expired keys and journal rows (first once the
-    /// pre-flight checks passed), in batches of 1000 with a pause between: 1s to 1d.
-    #[arg(long, env = "PGOUTBOX_MAINTENANCE_INTERVAL", default_value = "5m", value_parser = parse_maintenance_interval)]
+    /// `--maintenance-interval`: doc, range and default in [`crate::config::numeric::MAINTENANCE_INTERVAL`].
+    #[arg(long, env = "PGOUTBOX_MAINTENANCE_INTERVAL", help = MAINTENANCE_INTERVAL.help(), default_value = MAINTENANCE_INTERVAL.default_text(), value_parser = MAINTENANCE_INTERVAL.duration())]
     pub maintenance_interval: Duration,
 }
 
@@ -160,13 +158,8 @@ pub struct BrokerArgs {
     /// reason exchange_not_found. For users without configure permission.
     #[arg(long, env = "PGOUTBOX_NO_DECLARE")]
     pub no_declare: bool,
-    /// Publish over this many AMQP connections, 1 to 64, each with its own channel and
-    /// confirm window; every message goes to the partition of its key (--partition-key),
-    /// so one key's messages stay in commit order while different keys go side by side.
-    /// With several --amqp-url nodes, partition i starts at node i mod the number of
-    /// nodes. The window (--max-in-flight) bounds all partitions together. 1: one
-    /// connection, exactly as without partitions.
-    #[arg(long, env = "PGOUTBOX_PARTITIONS", default_value_t = 1, value_parser = parse_partitions)]
+    /// `--partitions`: doc, range and default in [`crate::config::numeric::PARTITIONS`].
+    #[arg(long, env = "PGOUTBOX_PARTITIONS", help = PARTITIONS.help(), default_value = PARTITIONS.default_text(), value_parser = PARTITIONS.whole_number::<u16>())]
     pub partitions: u16,
     /// What keys a message's partition under --partitions: `aggregate_id` (the default),
     /// `tenant` or `topic`; a message without that field is keyed by its transaction.
@@ -175,64 +168,36 @@ pub struct BrokerArgs {
     pub partition_key: PartitionKeyArg,
 }
 
-/// `--partitions`: a whole number from 1 to 64.
-fn parse_partitions(raw: &str) -> Result<u16, String> {
-    let n: u16 = parse_whole_number(raw)?;
-    if (1..=crate::partition::MAX_PARTITIONS).contains(&n) {
-        Ok(n)
-    } else {
-        Err(format!(
-            "use 1 to {} partitions",
-            crate::partition::MAX_PARTITIONS
-        ))
-    }
-}
-
 /// `run`'s bounds: the window, the largest message, attempts, read coalescing, drain times.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Pipeline bounds")]
 pub struct BoundsArgs {
-    /// Window: outbox messages read and not yet acknowledged to Postgres (unconfirmed, or
-    /// confirmed behind an earlier unconfirmed one), 1 to 1000000. A transaction is
-    /// acknowledged whole, so one larger than the window is still read to its end.
-    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT, value_parser = parse_whole_number::<usize>)]
+    /// `--max-in-flight`: doc, range and default in [`crate::config::numeric::MAX_IN_FLIGHT`].
+    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT", help = MAX_IN_FLIGHT.help(), default_value = MAX_IN_FLIGHT.default_text(), value_parser = MAX_IN_FLIGHT.whole_number::<usize>())]
     pub max_in_flight: usize,
-    /// Window: bytes (logical message content) read and not yet acknowledged to Postgres,
-    /// 1 to 4294967296.
-    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", default_value_t = DEFAULT_MAX_IN_FLIGHT_BYTES, value_parser = parse_whole_number::<usize>)]
+    /// `--max-in-flight-bytes`: doc, range and default in [`crate::config::numeric::MAX_IN_FLIGHT_BYTES`].
+    #[arg(long, env = "PGOUTBOX_MAX_IN_FLIGHT_BYTES", help = MAX_IN_FLIGHT_BYTES.help(), default_value = MAX_IN_FLIGHT_BYTES.default_text(), value_parser = MAX_IN_FLIGHT_BYTES.whole_number::<usize>())]
     pub max_in_flight_bytes: usize,
-    /// Messages larger than this many bytes are dead-lettered as too_large, never published
-    /// (1 to 536870912). The size counted is the whole envelope as emitted: the payload plus
-    /// its JSON header (id, topic, content type, producer headers) and 5 bytes of framing.
-    #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES, value_parser = parse_whole_number::<usize>)]
+    /// `--max-message-bytes`: doc, range and default in [`crate::config::numeric::MAX_MESSAGE_BYTES`].
+    #[arg(long, env = "PGOUTBOX_MAX_MESSAGE_BYTES", help = MAX_MESSAGE_BYTES.help(), default_value = MAX_MESSAGE_BYTES.default_text(), value_parser = MAX_MESSAGE_BYTES.whole_number::<usize>())]
     pub max_message_bytes: usize,
-    /// The broker's max_message_size in bytes, if known: payloads larger than this are
-    /// dead-lettered as too_large without publishing. Unset: pgoutbox learns the limit the
-    /// first time RabbitMQ refuses a message for its size (406, channel closed).
-    /// 1 to 536870912 (RabbitMQ's own ceiling).
-    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES", value_parser = parse_whole_number::<usize>)]
+    /// `--broker-max-message-bytes`: doc, range and default in [`crate::config::numeric::BROKER_MAX_MESSAGE_BYTES`].
+    #[arg(long, env = "PGOUTBOX_BROKER_MAX_MESSAGE_BYTES", help = BROKER_MAX_MESSAGE_BYTES.help(), value_parser = BROKER_MAX_MESSAGE_BYTES.whole_number::<usize>())]
     pub broker_max_message_bytes: Option<usize>,
-    /// Publish attempts for a nacked message before it is dead-lettered (1 to 1000).
-    #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = parse_whole_number::<u32>)]
+    /// `--max-attempts`: doc, range and default in [`crate::config::numeric::MAX_ATTEMPTS`].
+    #[arg(long, env = "PGOUTBOX_MAX_ATTEMPTS", help = MAX_ATTEMPTS.help(), default_value = MAX_ATTEMPTS.default_text(), value_parser = MAX_ATTEMPTS.whole_number::<u32>())]
     pub max_attempts: u32,
-    /// Microseconds between two small reads of the replication stream while 4 or more
-    /// publishes are unconfirmed: one read (and one publish batch) per interval instead of
-    /// one per transaction. Adds up to this much latency (plus the timer's 1 ms resolution) for
-    /// fewer wake-ups; the default 0 reads every transaction as it arrives (0 to 100000).
-    #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", default_value_t = DEFAULT_READ_COALESCE.as_micros() as u64, value_parser = parse_whole_number::<u64>)]
+    /// `--read-coalesce-us`: doc, range and default in [`crate::config::numeric::READ_COALESCE_US`].
+    #[arg(long, env = "PGOUTBOX_READ_COALESCE_US", help = READ_COALESCE_US.help(), default_value = READ_COALESCE_US.default_text(), value_parser = READ_COALESCE_US.whole_number::<u64>())]
     pub read_coalesce_us: u64,
-    /// Seconds a SIGINT/SIGTERM waits for outstanding confirms (0 to 86400, one day).
-    #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", default_value_t = DEFAULT_SHUTDOWN_TIMEOUT.as_secs(), value_parser = parse_whole_number::<u64>)]
+    /// `--shutdown-timeout-s`: doc, range and default in [`crate::config::numeric::SHUTDOWN_TIMEOUT_S`].
+    #[arg(long, env = "PGOUTBOX_SHUTDOWN_TIMEOUT_S", help = SHUTDOWN_TIMEOUT_S.help(), default_value = SHUTDOWN_TIMEOUT_S.default_text(), value_parser = SHUTDOWN_TIMEOUT_S.whole_number::<u64>())]
     pub shutdown_timeout_s: u64,
-    /// Milliseconds to keep collecting broker confirms after the Postgres connection broke,
-    /// so messages the broker already has are not sent again after the reconnect (0 to
-    /// 600000; it ends early once nothing is unconfirmed).
-    #[arg(long, env = "PGOUTBOX_POSTGRES_LOSS_DRAIN_MS", default_value_t = DEFAULT_POSTGRES_LOSS_DRAIN.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    /// `--postgres-loss-drain-ms`: doc, range and default in [`crate::config::numeric::POSTGRES_LOSS_DRAIN_MS`].
+    #[arg(long, env = "PGOUTBOX_POSTGRES_LOSS_DRAIN_MS", help = POSTGRES_LOSS_DRAIN_MS.help(), default_value = POSTGRES_LOSS_DRAIN_MS.default_text(), value_parser = POSTGRES_LOSS_DRAIN_MS.whole_number::<u64>())]
     pub postgres_loss_drain_ms: u64,
-    /// Longest wait in milliseconds between two reconnect attempts: the backoff doubles
-    /// from 500 ms up to it, with jitter, and starts over after a session that streamed
-    /// (500 to 600000).
-    #[arg(long, env = "PGOUTBOX_RECONNECT_BACKOFF_MAX_MS", default_value_t = DEFAULT_RECONNECT_BACKOFF_MAX.as_millis() as u64, value_parser = parse_whole_number::<u64>)]
+    /// `--reconnect-backoff-max-ms`: doc, range and default in [`crate::config::numeric::RECONNECT_BACKOFF_MAX_MS`].
+    #[arg(long, env = "PGOUTBOX_RECONNECT_BACKOFF_MAX_MS", help = RECONNECT_BACKOFF_MAX_MS.help(), default_value = RECONNECT_BACKOFF_MAX_MS.default_text(), value_parser = RECONNECT_BACKOFF_MAX_MS.whole_number::<u64>())]
     pub reconnect_backoff_max_ms: u64,
 }
 
@@ -247,9 +212,8 @@ pub struct ObservabilityArgs {
     /// Where to serve /metrics, /healthz and /readyz: HOST:PORT, or off.
     #[arg(long, env = "PGOUTBOX_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR, value_parser = parse_http_addr_arg)]
     pub http_addr: HttpAddr,
-    /// Seconds without any settle, while messages are unconfirmed, after which the stream
-    /// counts as stalled (/readyz 503 "stalled", a warning once a minute); 1 to 3600.
-    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", default_value_t = DEFAULT_STALL_AFTER.as_secs(), value_parser = parse_whole_number::<u64>)]
+    /// `--stall-after-s`: doc, range and default in [`crate::config::numeric::STALL_AFTER_S`].
+    #[arg(long, env = "PGOUTBOX_STALL_AFTER_S", help = STALL_AFTER_S.help(), default_value = STALL_AFTER_S.default_text(), value_parser = STALL_AFTER_S.whole_number::<u64>())]
     pub stall_after_s: u64,
     /// Record every confirmed message (message id, topic, LSNs, attempts, confirm time) in
     /// outbox.journal, one batched INSERT per status-update interval. An audit record: it
@@ -346,13 +310,6 @@ fn parse_http_addr_arg(text: &str) -> Result<HttpAddr, String> {
     crate::config::parse_http_addr(text)
         .map(HttpAddr)
         .map_err(|e| e.to_string())
-}
-
-/// Parses `--maintenance-interval` (a humantime duration; its range is checked by
-/// [`RunSettings::validate`]).
-pub fn parse_maintenance_interval(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text.trim())
-        .map_err(|e| format!("{e}: write a duration from 1s to 1d, such as 5m"))
 }
 
 impl RunArgs {
@@ -716,6 +673,108 @@ mod tests {
         assert_eq!(
             run(&["--read-coalesce-us", "1000"]).bounds.read_coalesce,
             Duration::from_millis(1)
+        );
+    }
+
+    #[test]
+    fn every_numeric_or_duration_option_of_run_is_in_the_one_table() {
+        // Walks clap's `run`: an option whose value is a number, a duration or a retention
+        // must take its doc, range, default and parser from config::numeric, so a new one
+        // cannot be left out of validation, the bounds test and the reference.
+        use crate::cli::reference::{value_form, ValueForm};
+        use crate::config::numeric::{by_flag, Unit, NUMERIC_SETTINGS};
+        use clap::CommandFactory;
+        use std::any::TypeId;
+        let mut cli = Cli::command();
+        cli.build();
+        let mut seen = Vec::new();
+        for cmd in ["run", "check"] {
+            let cmd = cli.find_subcommand(cmd).unwrap();
+            for arg in cmd.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                let flag = format!("--{long}");
+                let parsed = arg.get_value_parser().type_id();
+                let numeric = value_form(arg) == ValueForm::Number
+                    || parsed == TypeId::of::<Duration>()
+                    || parsed == TypeId::of::<Retention>();
+                let Some(setting) = by_flag(&flag) else {
+                    assert!(!numeric, "{flag} is numeric: add it to config::numeric");
+                    continue;
+                };
+                assert!(numeric, "{flag} is in config::numeric but takes no number");
+                assert_eq!(
+                    arg.get_help().map(|h| h.to_string()),
+                    Some(setting.help()),
+                    "{flag}: its help is the table's doc and range"
+                );
+                assert_eq!(arg.get_long_help(), None, "{flag}");
+                let default: Vec<_> = arg
+                    .get_default_values()
+                    .iter()
+                    .map(|v| v.to_string_lossy().into_owned())
+                    .collect();
+                let want: Vec<String> = setting
+                    .default
+                    .map(|d| setting.unit.render(d.into()))
+                    .into_iter()
+                    .collect();
+                assert_eq!(default, want, "{flag}: default");
+                assert_eq!(
+                    matches!(setting.unit, Unit::Duration),
+                    value_form(arg) == ValueForm::Text,
+                    "{flag}: a humantime duration is text, the others whole numbers"
+                );
+                seen.push(flag);
+            }
+        }
+        assert_eq!(seen.len(), 2 * NUMERIC_SETTINGS.len(), "{seen:?}");
+    }
+
+    #[test]
+    fn each_numeric_option_reaches_its_field_and_is_held_to_its_range() {
+        // Both ends through the command line land in the field the table names; one past
+        // the end is refused, naming the flag (by validate, or by the retention's parser).
+        use crate::config::numeric::NUMERIC_SETTINGS;
+        let parse = |flag: &str, value: &str| {
+            let arg = format!("{flag}={value}");
+            let args = [
+                "pgoutbox",
+                "run",
+                "--database-url",
+                "postgres://u@h/db",
+                "--amqp-url",
+                "amqp://h",
+                arg.as_str(),
+            ];
+            match Cli::try_parse_from(args) {
+                Ok(cli) => match cli.command {
+                    Command::Run(args) => args.into_config().map_err(|e| e.to_string()),
+                    _ => unreachable!(),
+                },
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        for s in NUMERIC_SETTINGS {
+            for ok in [s.min, s.max] {
+                let config = parse(s.flag, &s.unit.render(ok.into()))
+                    .unwrap_or_else(|e| panic!("{} = {ok}: {e}", s.flag));
+                let mut settings = config.into_settings();
+                assert_eq!(
+                    (s.field)(&mut settings).read(s.unit),
+                    Some(ok.into()),
+                    "{}",
+                    s.flag
+                );
+            }
+            let e = parse(s.flag, &s.unit.render(u128::from(s.max) + 1)).unwrap_err();
+            assert!(e.contains(s.flag), "{}: {e}", s.flag);
+        }
+        let e = parse("--partitions", "65").unwrap_err();
+        assert!(
+            e.starts_with(
+                "invalid setting --partitions (PGOUTBOX_PARTITIONS) = \"65\": must be from 1 to 64 partitions"
+            ),
+            "{e}"
         );
     }
 

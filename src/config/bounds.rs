@@ -2,11 +2,10 @@
 //! largest message, publish attempts, read coalescing, and how long shutdown and a lost
 //! Postgres connection wait for confirms. Defaults are named consts whose docs say why;
 //! every bound has an upper cap far above any sensible value, so that it only catches typos
-//! and values that would overflow a clock or a counter.
+//! and values that would overflow a clock or a counter. Each setting's range is checked by
+//! [`super::RunSettings::validate`] from the one table of [`super::numeric`].
 
 use std::time::Duration;
-
-use crate::validation::{check_range, ValidationError};
 
 /// Default in-flight window in messages: RabbitMQ needs 1,000 to 10,000 unconfirmed
 /// persistent publishes to approach its ceiling on these machines (FACTS.md).
@@ -137,83 +136,5 @@ impl Default for PipelineBounds {
             postgres_loss_drain: DEFAULT_POSTGRES_LOSS_DRAIN,
             reconnect_backoff_max: DEFAULT_RECONNECT_BACKOFF_MAX,
         }
-    }
-}
-
-impl PipelineBounds {
-    /// Checks every bound against its range.
-    ///
-    /// # Errors
-    /// The first [`ValidationError`], naming the flag, the value and the range.
-    pub fn validate(&self) -> Result<(), ValidationError> {
-        check_range(
-            "--max-in-flight",
-            self.max_in_flight,
-            1,
-            MAX_IN_FLIGHT_CAP,
-            "messages",
-        )?;
-        check_range(
-            "--max-in-flight-bytes",
-            self.max_in_flight_bytes,
-            1,
-            MAX_IN_FLIGHT_BYTES_CAP,
-            "bytes",
-        )?;
-        check_range(
-            "--max-message-bytes",
-            self.max_message_bytes,
-            1,
-            MAX_MESSAGE_BYTES_CAP,
-            "bytes",
-        )?;
-        if let Some(broker_max) = self.broker_max_message_bytes {
-            check_range(
-                "--broker-max-message-bytes",
-                broker_max,
-                1,
-                MAX_MESSAGE_BYTES_CAP,
-                "bytes",
-            )?;
-        }
-        check_range(
-            "--max-attempts",
-            self.max_attempts,
-            1,
-            MAX_ATTEMPTS_CAP,
-            "attempts",
-        )?;
-        check_range(
-            "--shutdown-timeout-s",
-            self.shutdown_timeout.as_secs(),
-            0,
-            SHUTDOWN_TIMEOUT_CAP.as_secs(),
-            "seconds",
-        )?;
-        check_range(
-            "--postgres-loss-drain-ms",
-            self.postgres_loss_drain.as_millis(),
-            0,
-            POSTGRES_LOSS_DRAIN_CAP.as_millis(),
-            "milliseconds",
-        )?;
-        check_range(
-            "--reconnect-backoff-max-ms",
-            self.reconnect_backoff_max.as_millis(),
-            RECONNECT_BACKOFF_MAX_MIN.as_millis(),
-            RECONNECT_BACKOFF_MAX_CAP.as_millis(),
-            "milliseconds",
-        )?;
-        if self.read_coalesce > MAX_READ_COALESCE {
-            return Err(ValidationError {
-                setting: "--read-coalesce-us",
-                value: self.read_coalesce.as_micros().to_string(),
-                rule: format!(
-                    "must be at most {} (it delays every small read, and with it the replies to the server's keepalives)",
-                    MAX_READ_COALESCE.as_micros()
-                ),
-            });
-        }
-        Ok(())
     }
 }

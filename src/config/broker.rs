@@ -44,8 +44,9 @@ pub struct BrokerSettings {
 /// partition of its key ([`crate::partition`] has the rule).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Partitions {
-    /// 1 to [`crate::partition::MAX_PARTITIONS`]; 1 is one connection, as without
-    /// partitions.
+    /// 1 to [`crate::partition::MAX_PARTITIONS`] (checked by
+    /// [`super::RunSettings::validate`], from [`super::numeric::PARTITIONS`]); 1 is one
+    /// connection, as without partitions.
     pub count: u16,
     /// The envelope field that keys a message.
     pub key: PartitionKey,

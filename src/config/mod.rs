@@ -12,7 +12,10 @@
 //!   may name;
 //! - [`bounds`]: the window, the largest message, attempts, read coalescing, drain times;
 //! - [`observability`]: instance id, the HTTP endpoint, the stall clock, the journal;
-//! - [`publishing`]: the message properties, CloudEvents, the unroutable policy.
+//! - [`publishing`]: the message properties, CloudEvents, the unroutable policy;
+//! - [`numeric`]: every numeric and duration setting's flag, unit, range, default and doc,
+//!   in one table that the CLI's parsers, the config file, [`RunSettings::validate`] and the
+//!   generated reference all read.
 //!
 //! A [`RunConfig`] exists only through [`RunSettings::validate`], so code that is handed one
 //! (the pipeline, `check`) takes it as given and never validates again. The settings import
@@ -24,6 +27,7 @@
 pub mod bounds;
 pub mod broker;
 pub mod database;
+pub mod numeric;
 pub mod observability;
 pub mod postgres;
 pub mod publishing;
@@ -118,15 +122,18 @@ impl RunSettings {
     /// [`broker::UrlCheck`]).
     ///
     /// # Errors
-    /// The first [`ValidationError`] found: Postgres names and timings, the broker URLs and
-    /// exchange, the bounds, the stall clock, the CloudEvents source, in that order.
+    /// The first [`ValidationError`] found: every numeric and duration setting against its
+    /// range ([`numeric::NUMERIC_SETTINGS`], in `--help` order), then the Postgres names,
+    /// the broker URLs and exchange, the CloudEvents source.
     pub fn validate(self, broker_url: UrlCheck<'_>) -> Result<RunConfig, ValidationError> {
-        self.postgres.validate()?;
-        self.broker.validate(broker_url)?;
-        self.bounds.validate()?;
-        self.observability.validate()?;
-        self.publishing.validate()?;
-        Ok(RunConfig(self))
+        let mut settings = self;
+        for setting in numeric::NUMERIC_SETTINGS {
+            setting.check(&mut settings)?;
+        }
+        settings.postgres.validate()?;
+        settings.broker.validate(broker_url)?;
+        settings.publishing.validate()?;
+        Ok(RunConfig(settings))
     }
 }
 
@@ -258,102 +265,70 @@ mod tests {
     }
 
     #[test]
+    fn settings_built_in_code_with_65_partitions_are_refused_before_any_sink() {
+        // The partitioned sink panics above 64 partitions; RunSettings built in code (not
+        // through the CLI's parser) must be refused by validate, naming the setting.
+        for bad in [0, crate::partition::MAX_PARTITIONS + 1, u16::MAX] {
+            let mut s = base();
+            s.broker.partitions.count = bad;
+            let e = check(s).unwrap_err();
+            assert_eq!(
+                (e.setting, e.value.as_str()),
+                ("--partitions", bad.to_string().as_str())
+            );
+            assert!(e.to_string().contains("must be from 1 to 64"), "{e}");
+        }
+        let mut s = base();
+        s.broker.partitions.count = crate::partition::MAX_PARTITIONS;
+        assert_eq!(check(s), Ok(()));
+    }
+
+    #[test]
     fn every_numeric_and_duration_setting_has_bounds() {
-        type Set = fn(&mut RunSettings, u64);
-        // (setting, how to set it, lowest accepted, highest accepted)
-        let cases: [(&str, Set, u64, u64); 11] = [
-            (
-                "--max-in-flight",
-                |c, v| c.bounds.max_in_flight = v as usize,
-                1,
-                1_000_000,
-            ),
-            (
-                "--max-in-flight-bytes",
-                |c, v| c.bounds.max_in_flight_bytes = v as usize,
-                1,
-                1 << 32,
-            ),
-            (
-                "--max-message-bytes",
-                |c, v| c.bounds.max_message_bytes = v as usize,
-                1,
-                512 << 20,
-            ),
-            (
-                "--broker-max-message-bytes",
-                |c, v| c.bounds.broker_max_message_bytes = Some(v as usize),
-                1,
-                512 << 20,
-            ),
-            (
-                "--max-attempts",
-                |c, v| c.bounds.max_attempts = v as u32,
-                1,
-                1_000,
-            ),
-            (
-                "--slot-busy-timeout-s",
-                |c, v| c.postgres.slot_busy_timeout = Some(Duration::from_secs(v)),
-                0,
-                30 * 86_400,
-            ),
-            (
-                "--standby-poll-ms",
-                |c, v| c.postgres.standby_poll = Duration::from_millis(v),
-                10,
-                60_000,
-            ),
-            (
-                "--shutdown-timeout-s",
-                |c, v| c.bounds.shutdown_timeout = Duration::from_secs(v),
-                0,
-                86_400,
-            ),
-            (
-                "--postgres-loss-drain-ms",
-                |c, v| c.bounds.postgres_loss_drain = Duration::from_millis(v),
-                0,
-                600_000,
-            ),
-            (
-                "--reconnect-backoff-max-ms",
-                |c, v| c.bounds.reconnect_backoff_max = Duration::from_millis(v),
-                500,
-                600_000,
-            ),
-            (
-                "--read-coalesce-us",
-                |c, v| c.bounds.read_coalesce = Duration::from_micros(v),
-                0,
-                100_000,
-            ),
-        ];
-        for (setting, set, low, high) in cases {
+        // Enumerates the one table (not a list kept here): a setting added to it is
+        // covered, and tests/cli's walk of `run` keeps every numeric option in it.
+        assert!(numeric::NUMERIC_SETTINGS.len() >= 16);
+        for s in numeric::NUMERIC_SETTINGS {
+            let (setting, low, high) = (s.flag, s.min, s.max);
+            // The defaults the CLI gives are the table's.
+            assert_eq!(
+                (s.field)(&mut base()).read(s.unit),
+                s.default.map(u128::from),
+                "{setting}: default"
+            );
             for ok in [low, high] {
                 let mut c = base();
-                set(&mut c, ok);
+                (s.field)(&mut c).write(ok, s.unit);
+                assert_eq!((s.field)(&mut c).read(s.unit), Some(ok.into()), "{setting}");
                 assert_eq!(check(c), Ok(()), "{setting} = {ok}");
             }
             let mut bad = vec![high + 1];
             if low > 0 {
                 bad.push(low - 1);
             }
-            // The inputs that used to panic or wrap: u64::MAX seconds overflows `Instant`.
-            if setting != "--max-attempts" {
-                bad.push(u64::MAX);
-            }
+            // The inputs that used to panic or wrap: u64::MAX seconds overflows `Instant`,
+            // 65 partitions panics in the partitioned sink.
+            bad.push(u64::MAX);
             for value in bad {
                 let mut c = base();
-                set(&mut c, value);
+                (s.field)(&mut c).write(value, s.unit);
+                // A narrower field saturates (u16::MAX partitions): its value is what is
+                // named.
+                let held = (s.field)(&mut c).read(s.unit).unwrap();
+                let saturated = [u16::MAX.into(), u32::MAX.into()];
+                assert!(
+                    held == value.into() || (value == u64::MAX && saturated.contains(&held)),
+                    "{setting}: {value} held as {held}"
+                );
+                let shown = s.unit.render(held);
                 let e = check(c).unwrap_err();
                 assert_eq!(e.setting, setting, "{value}");
-                assert_eq!(e.value, value.to_string());
+                assert_eq!(e.value, shown);
                 let env = env_of(setting).unwrap();
                 assert!(
                     e.to_string().starts_with(&format!(
-                        "invalid setting {setting} ({env}) = \"{value}\": must be"
-                    )) && e.to_string().contains(&high.to_string()),
+                        "invalid setting {setting} ({env}) = \"{shown}\": must be"
+                    )) && e.to_string().contains(&s.unit.render(high.into())),
                     "{e}"
                 );
             }
@@ -361,6 +336,10 @@ mod tests {
         // 0 seconds of slot-busy timeout means "wait forever", not an out-of-range value.
         let mut c = base();
         c.postgres.slot_busy_timeout = None;
+        assert_eq!(check(c), Ok(()));
+        // Unset, the broker's limit is learned, not checked.
+        let mut c = base();
+        c.bounds.broker_max_message_bytes = None;
         assert_eq!(check(c), Ok(()));
     }
 }

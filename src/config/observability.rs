@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::validation::{check_range, ValidationError};
+use crate::validation::ValidationError;
 
 /// Default `--stall-after-s`: unconfirmed messages with no settle for a minute are a stall
 /// (a confirm round trip is milliseconds; a minute rules out a slow disk or a GC pause).
@@ -57,26 +57,11 @@ pub struct ObservabilitySettings {
     /// Where `/metrics`, `/healthz` and `/readyz` are served (`None`: off).
     pub http_addr: Option<std::net::SocketAddr>,
     /// Unconfirmed messages with no settle for this long are a stall (`/readyz` 503, the
-    /// `pgoutbox_stalled` gauge, a warning a minute).
+    /// `pgoutbox_stalled` gauge, a warning a minute); 1 s to [`MAX_STALL_AFTER`], checked
+    /// by [`super::RunSettings::validate`].
     pub stall_after: Duration,
     /// `--journal`: record every confirmed message in `outbox.journal`.
     pub journal: JournalMode,
-}
-
-impl ObservabilitySettings {
-    /// Checks `--stall-after-s`.
-    ///
-    /// # Errors
-    /// [`ValidationError`] outside 1 s to 1 hour.
-    pub fn validate(&self) -> Result<(), ValidationError> {
-        check_range(
-            "--stall-after-s",
-            self.stall_after.as_secs(),
-            1,
-            MAX_STALL_AFTER.as_secs(),
-            "seconds",
-        )
-    }
 }
 
 #[cfg(test)]

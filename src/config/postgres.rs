@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::database::DatabaseConfig;
 use super::retention::RetentionSettings;
 use crate::outbox_schema::{MessagePrefix, SchemaName};
-use crate::validation::{check_range, validate_identifier, ValidationError};
+use crate::validation::{validate_identifier, ValidationError};
 
 /// Default slot name.
 pub const DEFAULT_SLOT: &str = "pgoutbox";
@@ -73,28 +73,14 @@ pub struct PostgresSettings {
 }
 
 impl PostgresSettings {
-    /// Checks the names, the standby timings and the retention interval (the connection
-    /// string was checked when parsed).
+    /// Checks the slot and publication names (the connection string was checked when
+    /// parsed; the timings and the retention, numeric settings, by
+    /// [`super::RunSettings::validate`] from [`super::numeric`]).
     ///
     /// # Errors
     /// The first [`ValidationError`].
     pub fn validate(&self) -> Result<(), ValidationError> {
         validate_identifier("--slot", &self.slot)?;
-        validate_identifier("--publication", &self.publication)?;
-        check_range(
-            "--slot-busy-timeout-s",
-            self.slot_busy_timeout.map_or(0, |d| d.as_secs()),
-            0,
-            SLOT_BUSY_TIMEOUT_CAP.as_secs(),
-            "seconds (0 waits forever)",
-        )?;
-        check_range(
-            "--standby-poll-ms",
-            self.standby_poll.as_millis(),
-            MIN_STANDBY_POLL.as_millis(),
-            STANDBY_POLL_CAP.as_millis(),
-            "milliseconds",
-        )?;
-        self.retention.validate()
+        validate_identifier("--publication", &self.publication)
     }
 }

@@ -113,7 +113,9 @@ pub struct RetentionSettings {
     pub idempotency: Retention,
     /// `--journal-retention`: `outbox.journal` rows older than this.
     pub journal: Retention,
-    /// `--maintenance-interval`: time between two passes (the first is at start).
+    /// `--maintenance-interval`: time between two passes (the first is at start); 1 s to
+    /// 1 day, checked by [`super::RunSettings::validate`] (as are the retentions' caps, for
+    /// settings built in code).
     pub interval: Duration,
 }
 
@@ -124,24 +126,6 @@ impl Default for RetentionSettings {
             journal: Retention::default(),
             interval: DEFAULT_MAINTENANCE_INTERVAL,
         }
-    }
-}
-
-impl RetentionSettings {
-    /// Checks the interval (the retentions were checked when parsed).
-    ///
-    /// # Errors
-    /// [`ValidationError`] for `--maintenance-interval` outside 1 s to 1 day.
-    pub fn validate(&self) -> Result<(), ValidationError> {
-        let interval = self.interval;
-        if !(MAINTENANCE_INTERVAL_MIN..=MAINTENANCE_INTERVAL_MAX).contains(&interval) {
-            return Err(ValidationError {
-                setting: "--maintenance-interval",
-                value: humantime::format_duration(interval).to_string(),
-                rule: "write a duration from 1s to 1d, such as 5m".into(),
-            });
-        }
-        Ok(())
     }
 }
 
@@ -174,13 +158,5 @@ mod tests {
                 "{bad}: {e}"
             );
         }
-        let mut c = RetentionSettings {
-            interval: Duration::from_millis(500),
-            ..RetentionSettings::default()
-        };
-        let e = c.validate().unwrap_err();
-        assert_eq!(e.setting, "--maintenance-interval");
-        c.interval = Duration::from_secs(1);
-        c.validate().unwrap();
     }
 }

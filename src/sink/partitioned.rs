@@ -50,7 +50,10 @@ impl PartitionedSink {
     /// `parts[i]` carries partition `i`; `key` picks each message's partition.
     ///
     /// # Panics
-    /// When `parts` is empty or holds more than [`crate::partition::MAX_PARTITIONS`].
+    /// When `parts` is empty or holds more than [`crate::partition::MAX_PARTITIONS`]; a
+    /// [`crate::config::RunConfig`] never asks for that, since
+    /// [`crate::config::RunSettings::validate`] refuses `--partitions` outside 1 to 64
+    /// ([`crate::config::numeric::PARTITIONS`]).
     pub fn new(parts: Vec<Box<dyn Sink>>, key: PartitionKey) -> Self {
         assert!(
             !parts.is_empty() && parts.len() <= usize::from(crate::partition::MAX_PARTITIONS),

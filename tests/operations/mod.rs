@@ -93,7 +93,7 @@ async fn run_refuses_bad_settings_before_touching_anything() {
         ),
         (
             vec!["--read-coalesce-us".into(), "5000000".into()],
-            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"5000000\": must be at most 100000",
+            "invalid setting --read-coalesce-us (PGOUTBOX_READ_COALESCE_US) = \"5000000\": must be from 0 to 100000 microseconds (it delays every small read, and with it the replies to the server's keepalives)",
         ),
     ];
     for (extra, expected) in cases {
