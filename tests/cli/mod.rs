@@ -443,10 +443,11 @@ async fn default_message_id_is_a_uuid_fixed_at_emit_time() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "cli_uuid").await;
     ob.sql("SELECT outbox.emit('u', '{}'); SELECT outbox.emit_bytes('u', '\\x01'::bytea)");
-    // Fixed in the WAL: two peeks of the slot decode the same ids.
+    // Fixed in the WAL: two peeks of the slot decode the same ids. One line per message: the
+    // escape encoding leaves a 0x0A byte (in an LSN, say) as a newline, so it is spelt \012.
     let peek = || {
         ob.sql(&format!(
-            "SELECT encode(data, 'escape') FROM pg_logical_slot_peek_binary_changes('{}', NULL, NULL,
+            "SELECT replace(encode(data, 'escape'), chr(10), '\\012') FROM pg_logical_slot_peek_binary_changes('{}', NULL, NULL,
                 'proto_version', '1', 'publication_names', '{}', 'messages', 'true')
              WHERE get_byte(data, 0) = 77
                AND substring(data from 11 for 9) = convert_to('pgoutbox', 'UTF8') || '\\x00'::bytea",

@@ -14,6 +14,12 @@
 //! * `start_private()` servers are stopped on `Drop` (and also have a
 //!   watchdog in case the test process is killed or aborts).
 //!
+//! * Under `deploy/test.sh` (cargo-nextest: one process per test), the shared
+//!   servers are shared by every process of the run instead: the first process
+//!   that needs one starts it, the others attach to it ([`run_shared`]), and it
+//!   lives until the script exits (`PGOUTBOX_TEST_SHARED_DIR`,
+//!   `PGOUTBOX_TEST_SHARED_OWNER`).
+//!
 //! Environment knobs:
 //! * `PGOUTBOX_TEST_SCALE` multiplies durations/counts (default 1.0).
 //! * `PGOUTBOX_PG_BIN_DIR` overrides the PostgreSQL bin directory.
@@ -182,6 +188,9 @@ pub(crate) fn make_server_dir(prefix: &str) -> PathBuf {
 ///
 /// Drop impls remove `.alive` first, then clean up themselves.
 pub(crate) fn spawn_watchdog(dir: &Path) {
+    let pid = WATCHED_PID
+        .with(|w| w.get())
+        .unwrap_or_else(std::process::id);
     let alive = dir.join(".alive");
     std::fs::write(&alive, b"").expect("write .alive");
     let keep = std::env::var("PGOUTBOX_TEST_KEEP").is_ok_and(|v| v == "1");
@@ -193,7 +202,6 @@ if [ -e '{alive}' ]; then
   {rm}
 fi
 "#,
-        pid = std::process::id(),
         alive = alive.display(),
         dir = dir.display(),
         rm = if keep {
@@ -244,4 +252,88 @@ pub(crate) fn tail(path: &Path, n: usize) -> String {
         .unwrap_or_default();
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+thread_local! {
+    /// The PID whose exit stops the server being started on this thread (see
+    /// [`spawn_watchdog`]): set by [`run_shared`] to the run's owner; `None` is this process.
+    static WATCHED_PID: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// The directory where the test processes of one run share their servers, and the PID whose
+/// exit ends them: `PGOUTBOX_TEST_SHARED_DIR` and `PGOUTBOX_TEST_SHARED_OWNER`, both set by
+/// `deploy/test.sh`. `None` (a plain `cargo test`): each process has its own shared servers.
+fn shared_run() -> Option<(PathBuf, u32)> {
+    let dir = std::env::var_os("PGOUTBOX_TEST_SHARED_DIR")?;
+    let owner = std::env::var("PGOUTBOX_TEST_SHARED_OWNER")
+        .ok()?
+        .parse()
+        .ok()?;
+    Some((PathBuf::from(dir), owner))
+}
+
+/// A shared server of the whole test run: started by `start` in the first process that asks
+/// for `name`, described by `describe` (a few `key=value` lines) in
+/// `$PGOUTBOX_TEST_SHARED_DIR/NAME.server`, and rebuilt from that text by `attach` in every
+/// other process. Its watchdog waits for the run's owner (the script), not for the process
+/// that happened to start it. Without a shared run ([`shared_run`]), just `start()`.
+///
+/// The first process takes `NAME.lock` (`mkdir` is atomic); the others wait for
+/// `NAME.server` (written whole, then renamed), or fail at once when the starter left
+/// `NAME.failed` (its start panicked).
+pub(crate) fn run_shared<T>(
+    name: &str,
+    start: impl FnOnce() -> T,
+    describe: impl FnOnce(&T) -> String,
+    attach: impl FnOnce(&str) -> T,
+) -> T {
+    let Some((dir, owner)) = shared_run() else {
+        return start();
+    };
+    let ready = dir.join(format!("{name}.server"));
+    let failed = dir.join(format!("{name}.failed"));
+    if std::fs::create_dir(dir.join(format!("{name}.lock"))).is_ok() {
+        /// Leaves `NAME.failed` behind when the start panics, and the thread's watched PID
+        /// as it was.
+        struct Starting(PathBuf, bool);
+        impl Drop for Starting {
+            fn drop(&mut self) {
+                WATCHED_PID.with(|w| w.set(None));
+                if !self.1 {
+                    let _ = std::fs::write(&self.0, b"");
+                }
+            }
+        }
+        let mut starting = Starting(failed, false);
+        WATCHED_PID.with(|w| w.set(Some(owner)));
+        let server = start();
+        let tmp = dir.join(format!("{name}.server.tmp"));
+        std::fs::write(&tmp, describe(&server)).expect("write the shared server's description");
+        std::fs::rename(&tmp, &ready).expect("publish the shared server's description");
+        starting.1 = true;
+        return server;
+    }
+    let deadline = Instant::now() + scaled(Duration::from_secs(300));
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&ready) {
+            return attach(&text);
+        }
+        assert!(
+            !failed.exists(),
+            "the shared {name} of this run failed to start in another test process (its output has the panic)"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the shared {name} of this run was not ready within 300 s ({})",
+            ready.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The value of `key` in a [`run_shared`] description (`key=value` lines).
+pub(crate) fn described<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key} in the shared server's description:\n{text}"))
 }

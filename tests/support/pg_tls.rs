@@ -32,7 +32,24 @@ impl TlsPostgres {
     /// The per-process TLS cluster (lazy; stopped by its watchdog when the test process
     /// exits). Use a database of your own on it ([`TlsPostgres::create_database`]).
     pub fn shared() -> &'static TlsPostgres {
-        SHARED.get_or_init(TlsPostgres::start)
+        SHARED.get_or_init(|| {
+            super::run_shared(
+                "postgres-tls",
+                TlsPostgres::start,
+                |t| t.pg.describe(),
+                |text| TlsPostgres::of(Postgres::attach(text)),
+            )
+        })
+    }
+
+    /// The cluster's CA files, under its directory.
+    fn of(pg: Postgres) -> TlsPostgres {
+        let root = pg.root_dir();
+        TlsPostgres {
+            ca: root.join("ca.pem"),
+            other_ca: root.join("other-ca.pem"),
+            pg,
+        }
     }
 
     fn start() -> TlsPostgres {
@@ -84,11 +101,7 @@ impl TlsPostgres {
         });
         assert!(on, "ssl did not turn on:\n{}", pg.log_contents());
         eprintln!("[harness] postgres TLS-only on port {}", pg.port());
-        TlsPostgres {
-            ca: root.join("ca.pem"),
-            other_ca: root.join("other-ca.pem"),
-            pg,
-        }
+        TlsPostgres::of(pg)
     }
 
     /// `postgres://postgres@HOST:PORT/db?QUERY` (superuser, trust over TLS); `host` is

@@ -39,7 +39,35 @@ impl Postgres {
     /// a watchdog when the test process exits). Prefer a fresh database per
     /// test via [`Postgres::create_database`].
     pub fn shared() -> &'static Postgres {
-        SHARED.get_or_init(|| Postgres::start_new(&[], false))
+        SHARED.get_or_init(|| {
+            super::run_shared(
+                "postgres",
+                || Postgres::start_new(&[], false),
+                Postgres::describe,
+                Postgres::attach,
+            )
+        })
+    }
+
+    /// This cluster as `key=value` lines, for [`Postgres::attach`] in another test process.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "root={}\nbin={}\nport={}\n",
+            self.root.display(),
+            self.bin.display(),
+            self.port
+        )
+    }
+
+    /// A handle on a running cluster that [`Postgres::describe`] described, not stopped
+    /// when dropped.
+    pub(crate) fn attach(text: &str) -> Postgres {
+        Postgres {
+            root: super::described(text, "root").into(),
+            bin: super::described(text, "bin").into(),
+            port: super::described(text, "port").parse().expect("port"),
+            private: false,
+        }
     }
 
     /// A private cluster with extra `postgresql.conf` settings (appended last,

@@ -56,7 +56,49 @@ impl RabbitMq {
     /// when the test process exits). Use unique exchange/queue names on it,
     /// and never block/stop it: use [`RabbitMq::start_private`] for that.
     pub fn shared() -> &'static RabbitMq {
-        SHARED.get_or_init(|| RabbitMq::start_new(false, ""))
+        SHARED.get_or_init(|| {
+            super::run_shared(
+                "rabbitmq",
+                || RabbitMq::start_new(false, ""),
+                RabbitMq::describe,
+                RabbitMq::attach,
+            )
+        })
+    }
+
+    /// This node as `key=value` lines, for [`RabbitMq::attach`] in another test process.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "root={}\nbin={}\nnodename={}\namqp_port={}\ndist_port={}\nepmd_port={}\nctl_port_min={}\nhome={}\nextra_erl_args={}\n",
+            self.root.display(),
+            self.bin.display(),
+            self.nodename,
+            self.amqp_port,
+            self.dist_port,
+            self.epmd_port,
+            self.ctl_port_min,
+            self.home.display(),
+            self.extra_erl_args
+        )
+    }
+
+    /// A handle on a running node that [`RabbitMq::describe`] described, not stopped when
+    /// dropped.
+    pub(crate) fn attach(text: &str) -> RabbitMq {
+        let port = |key: &str| super::described(text, key).parse::<u16>().expect(key);
+        RabbitMq {
+            root: super::described(text, "root").into(),
+            bin: super::described(text, "bin").into(),
+            nodename: super::described(text, "nodename").into(),
+            amqp_port: port("amqp_port"),
+            dist_port: port("dist_port"),
+            epmd_port: port("epmd_port"),
+            ctl_port_min: port("ctl_port_min"),
+            home: super::described(text, "home").into(),
+            extra_erl_args: super::described(text, "extra_erl_args").into(),
+            server: Mutex::new(None),
+            private: false,
+        }
     }
 
     /// A private node (for block/unblock, stop_app, closing connections…);
@@ -173,7 +215,9 @@ impl RabbitMq {
             .expect("spawn rabbitmq-server");
         std::fs::write(self.root.join("launcher.pid"), child.id().to_string()).unwrap();
         *self.server.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
-        let deadline = Instant::now() + super::scaled(Duration::from_secs(60));
+        // Generous: on a loaded 2-core machine several nodes boot at once (each an Erlang VM
+        // start, seconds of CPU), and 60 s was seen to pass.
+        let deadline = Instant::now() + super::scaled(Duration::from_secs(240));
         while !port_open(self.amqp_port) {
             let exited = self
                 .server

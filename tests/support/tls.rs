@@ -67,7 +67,30 @@ impl TlsRabbit {
     /// The per-process TLS node (lazy; stopped by its watchdog when the test process
     /// exits). Use unique exchange and queue names on it.
     pub fn shared() -> &'static TlsRabbit {
-        SHARED.get_or_init(TlsRabbit::start)
+        SHARED.get_or_init(|| {
+            super::run_shared(
+                "rabbitmq-tls",
+                TlsRabbit::start,
+                |t| format!("{}tls_port={}\n", t.rabbit.describe(), t.tls_port),
+                |text| {
+                    let tls_port = super::described(text, "tls_port").parse().expect("port");
+                    TlsRabbit::of(RabbitMq::attach(text), tls_port)
+                },
+            )
+        })
+    }
+
+    /// The node's certificate files, under its directory.
+    fn of(rabbit: RabbitMq, tls_port: u16) -> TlsRabbit {
+        let root = rabbit.root_dir().to_path_buf();
+        TlsRabbit {
+            tls_port,
+            ca: root.join("ca.pem"),
+            other_ca: root.join("other-ca.pem"),
+            client_cert: root.join("client.pem"),
+            client_key: root.join("client.key"),
+            rabbit,
+        }
     }
 
     fn start() -> TlsRabbit {
@@ -103,15 +126,7 @@ impl TlsRabbit {
             "the TLS listener on {tls_port} did not open:\n{}",
             rabbit.log_contents()
         );
-        let root = rabbit.root_dir().to_path_buf();
-        TlsRabbit {
-            tls_port,
-            ca: root.join("ca.pem"),
-            other_ca: root.join("other-ca.pem"),
-            client_cert: root.join("client.pem"),
-            client_key: root.join("client.key"),
-            rabbit,
-        }
+        TlsRabbit::of(rabbit, tls_port)
     }
 
     /// `amqps://guest:guest@127.0.0.1:TLS_PORT/%2f`, with `query` appended when not empty.
