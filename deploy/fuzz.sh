@@ -9,19 +9,27 @@
 # target), not a fixed time: CI runs it beside the tests at the lowest CPU priority, where a
 # time limit would test fewer inputs the busier the machine is.
 #
-# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup, amqp_frames. cargo-fuzz needs a
-# nightly toolchain: without one this prints that it skipped and why, and exits 0. It installs
-# cargo-fuzz from crates.io when missing. Each target runs on a scratch corpus in
-# fuzz/corpus/<target>/ (not committed) seeded from the committed fuzz/seeds/<target>/; a
-# crash is saved under fuzz/artifacts/<target>/ and makes the script exit 1 after the other
-# targets ran. Runs under `nice -n 19` (FUZZ_NICE to change): the machine may be shared.
+# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup, amqp_frames. Each is
+# a libFuzzer binary (libfuzzer-sys), an example of this package behind the `fuzz` feature
+# (`fuzz_<target>`), built by cargo in the test build's profile and target directory with the
+# coverage instrumentation cargo-fuzz would add, on the stable toolchain. The instrumentation
+# reaches this package's crates only (deploy/fuzz-rustc.sh, a RUSTC_WORKSPACE_WRAPPER), so
+# the dependencies `cargo test` compiled are linked as they are: on a fresh machine the build
+# is this package's library and the targets, not a second compile of every dependency plus
+# cargo-fuzz (about 22 minutes of CPU together). Nothing to install, never skipped for want
+# of a nightly. Each target runs on a scratch corpus in fuzz/corpus/<target>/ (not committed)
+# seeded from the committed fuzz/seeds/<target>/; a crash is saved under
+# fuzz/artifacts/<target>/ and makes the script exit 1 after the other targets ran. Runs
+# under `nice -n 19` (FUZZ_NICE to change): the machine may be shared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_TARGETS=(pgoutput copy_data envelope startup amqp_frames)
-# Inputs per target in --smoke (measured rates: 50,000, 4,100, 15,800, 23,000 and 12,500
-# inputs a second, with two builds beside it).
-declare -A SMOKE_RUNS=([pgoutput]=1500000 [copy_data]=120000 [envelope]=480000 [startup]=700000 [amqp_frames]=380000)
+# Inputs per target in --smoke: four times what about 30 s of each took under cargo-fuzz's
+# AddressSanitizer build (2026-12-03); without the sanitizer the instrumented targets run
+# 15 to 40 times faster (pgoutput 750,000 inputs a second on a quiet machine, 2026-12-06), so
+# the whole smoke is about a minute of CPU.
+declare -A SMOKE_RUNS=([pgoutput]=6000000 [copy_data]=480000 [envelope]=1920000 [startup]=2800000 [amqp_frames]=1520000)
 seconds=600
 runs=
 targets=()
@@ -41,14 +49,6 @@ for arg in "$@"; do
 done
 [[ ${#targets[@]} -gt 0 ]] || targets=("${ALL_TARGETS[@]}")
 
-if ! nightly=$(cargo +nightly --version 2>/dev/null); then
-  echo "fuzz: SKIPPED: no nightly Rust toolchain ('cargo +nightly --version' failed); cargo fuzz needs one (rustup toolchain install nightly)"
-  exit 0
-fi
-if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
-  echo "fuzz: installing cargo-fuzz from crates.io"
-  cargo install cargo-fuzz --locked
-fi
 # The budget of target $1, as libFuzzer arguments and in words.
 budget_of() {
   if [[ -n "$runs" ]]; then
@@ -60,40 +60,43 @@ budget_of() {
     limit=(-max_total_time="$seconds")
   fi
 }
+# What cargo-fuzz passes to rustc for libFuzzer's coverage feedback (the build profile keeps
+# debug assertions and overflow checks on).
+export PGOUTBOX_FUZZ_RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
+-Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
+-Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing"
 budget_of "${targets[0]}"
 [[ -n "$runs" ]] && budget="a fixed number of inputs (FUZZ_SMOKE_RUNS or SMOKE_RUNS)"
-echo "fuzz: $nightly, $(cargo +nightly fuzz --version), ${budget} per target: ${targets[*]}"
+echo "fuzz: $(cargo --version), ${budget} per target: ${targets[*]}"
 
 nice_level="${FUZZ_NICE:-19}"
 start=$(date +%s)
-# Built first, so the run time is the fuzzing time; `fuzz run` below then finds them built.
-# `fuzz build` takes one target or none (= all of them, in one cargo invocation).
-if [[ ${#targets[@]} -eq ${#ALL_TARGETS[@]} ]]; then
-  nice -n "$nice_level" cargo +nightly fuzz build --fuzz-dir fuzz
-else
-  for t in "${targets[@]}"; do
-    nice -n "$nice_level" cargo +nightly fuzz build --fuzz-dir fuzz "$t"
-  done
-fi
+# Built first, so the run time is the fuzzing time.
+examples=()
+for t in "${targets[@]}"; do examples+=(--example "fuzz_$t"); done
+RUSTC_WORKSPACE_WRAPPER="$PWD/deploy/fuzz-rustc.sh" nice -n "$nice_level" \
+  cargo build --profile test --features fuzz "${examples[@]}"
+bin_dir=target/debug/examples
 built=$(date +%s)
 echo "fuzz: built in $((built - start)) s"
 
-mkdir -p fuzz/target/logs
+mkdir -p target/fuzz-logs
 failed=()
 summary=()
 for t in "${targets[@]}"; do
   corpus="fuzz/corpus/$t"
   mkdir -p "$corpus"
   cp -n fuzz/seeds/"$t"/* "$corpus"/ 2>/dev/null || true
-  log="fuzz/target/logs/$t.log"
+  log="target/fuzz-logs/$t.log"
   budget_of "$t"
   echo "fuzz: $t for ${budget} (log: $log)"
   # -timeout: an input taking over 10 s is a hang; -rss_limit_mb (libFuzzer's default, also the
   # malloc limit): a single allocation or a peak over 2 GiB is a crash (found one, see
   # replication::connect::tests::a_huge_declared_length_is_refused_before_any_allocation).
-  if nice -n "$nice_level" cargo +nightly fuzz run --fuzz-dir fuzz "$t" "$corpus" -- \
+  mkdir -p "fuzz/artifacts/$t"
+  if nice -n "$nice_level" "$bin_dir/fuzz_$t" "$corpus" \
       "${limit[@]}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-      >"$log" 2>&1; then
+      -artifact_prefix="fuzz/artifacts/$t/" >"$log" 2>&1; then
     status=ok
   else
     status=FAILED
@@ -116,6 +119,6 @@ per_target="${seconds} s"
 echo "fuzz: summary (${per_target} per target, total $(( $(date +%s) - start )) s with the build):"
 printf '  %s\n' "${summary[@]}"
 if [[ ${#failed[@]} -gt 0 ]]; then
-  echo "fuzz: FAILED targets: ${failed[*]}; inputs in fuzz/artifacts/<target>/, replay with: cargo +nightly fuzz run --fuzz-dir fuzz <target> <file>" >&2
+  echo "fuzz: FAILED targets: ${failed[*]}; inputs in fuzz/artifacts/<target>/, replay with: $bin_dir/fuzz_<target> <file>" >&2
   exit 1
 fi

@@ -43,12 +43,12 @@ fuzz_target!(|data: &[u8]| {
         buf = &buf[len..];
         let before = confirms.unsettled();
         let result = match frame {
-            Ok(AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))) => {
-                confirms.ack(a.delivery_tag, a.multiple, &mut out).map(|_| ())
-            }
-            Ok(AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Nack(n)))) => {
-                confirms.nack(n.delivery_tag, n.multiple, &mut out).map(|_| ())
-            }
+            Ok(AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))) => confirms
+                .ack(a.delivery_tag, a.multiple, &mut out)
+                .map(|_| ()),
+            Ok(AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Nack(n)))) => confirms
+                .nack(n.delivery_tag, n.multiple, &mut out)
+                .map(|_| ()),
             Ok(AMQPFrame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Return(r)))) => {
                 return_pending = Some((r.reply_code, r.reply_text.as_str().to_owned()));
                 Ok(())
@@ -62,11 +62,17 @@ fuzz_target!(|data: &[u8]| {
                         .and_then(|t| t.inner().get("x-pgoutbox-lsn").cloned());
                     let lsn = match lsn {
                         Some(amq_protocol::types::AMQPValue::LongString(s)) => {
-                            std::str::from_utf8(s.as_bytes()).ok().and_then(|s| s.parse().ok())
+                            std::str::from_utf8(s.as_bytes())
+                                .ok()
+                                .and_then(|s| s.parse().ok())
                         }
                         _ => None,
                     };
-                    let id = h.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
+                    let id = h
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|s| s.as_str().to_owned());
                     let key = ReturnedKey {
                         lsn,
                         message_id: id.as_deref(),

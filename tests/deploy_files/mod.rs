@@ -10,13 +10,18 @@
 //! passes only once the binary has it. `PGOUTBOX_TEST_BIN` checks another binary.
 //!
 //! Variables of the test harness and the scripts (`PGOUTBOX_TEST_*`, `PGOUTBOX_BENCH_*`,
-//! `PGOUTBOX_STACK_*`) are not the binary's and are left alone.
+//! `PGOUTBOX_STACK_*`, `PGOUTBOX_FUZZ_*`) are not the binary's and are left alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Prefixes of variables the binary never reads: the harness's and the scripts' own.
-const NOT_THE_BINARYS: [&str; 3] = ["PGOUTBOX_TEST_", "PGOUTBOX_BENCH_", "PGOUTBOX_STACK_"];
+const NOT_THE_BINARYS: [&str; 4] = [
+    "PGOUTBOX_TEST_",
+    "PGOUTBOX_BENCH_",
+    "PGOUTBOX_STACK_",
+    "PGOUTBOX_FUZZ_",
+];
 
 /// What the binary accepts: options per subcommand path (`run`, `dead-letters list`) and
 /// every environment variable any of them reads.
