@@ -446,7 +446,8 @@ fn bad_retention_settings_are_refused_before_run_starts() {
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("invalid setting --maintenance-interval (PGOUTBOX_MAINTENANCE_INTERVAL) = \"2days\": write a duration from 1s to 1d"),
+        err.contains("invalid setting --maintenance-interval (PGOUTBOX_MAINTENANCE_INTERVAL) = \"2d\": must be from 1s to 1d")
+            && err.contains("docs/src/operators/retention.md"),
         "{err}"
     );
     let dir = tempfile::tempdir().unwrap();
