@@ -221,10 +221,29 @@ impl Rig {
 }
 
 /// The example binary, built once per test process (`cargo test --test main` builds no
-/// examples; a fresh `cargo build --example` is a no-op when it is up to date).
+/// examples; a fresh `cargo build --example` is a no-op when it is up to date). When it is
+/// at least as new as this test binary, the cargo invocation that built this binary built it
+/// too (`cargo test --no-run`, as deploy/test.sh runs it), and it is used as it is: under
+/// nextest every test is a process, and each `cargo build` waits for the target directory's
+/// lock while another cargo (the fuzz smoke's build, say) holds it (an inbox test took 239 s
+/// so in CI).
 fn example_binary() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        // target/debug/deps/main-HASH -> target/debug/examples/inbox_consumer
+        let path = exe
+            .parent()
+            .and_then(|d| d.parent())
+            .expect("target dir")
+            .join("examples")
+            .join("inbox_consumer");
+        let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        if let (Some(example), Some(this)) = (modified(&path), modified(&exe)) {
+            if example >= this {
+                return path;
+            }
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = std::process::Command::new(cargo);
         // Without the CARGO_* variables cargo set for this test process: build scripts (ring's)
@@ -246,14 +265,6 @@ fn example_binary() -> PathBuf {
             status.success(),
             "cargo build --example inbox_consumer failed"
         );
-        let exe = std::env::current_exe().expect("current_exe");
-        // target/debug/deps/main-HASH -> target/debug/examples/inbox_consumer
-        let path = exe
-            .parent()
-            .and_then(|d| d.parent())
-            .expect("target dir")
-            .join("examples")
-            .join("inbox_consumer");
         assert!(path.exists(), "{} missing", path.display());
         path
     })
