@@ -3,6 +3,10 @@
 #
 #   bash deploy/fuzz.sh --smoke                  # each target a fixed number of inputs (what .ci/run does)
 #   bash deploy/fuzz.sh [SECONDS] [TARGET...]    # each target SECONDS (default 600)
+#   bash deploy/fuzz.sh --build-only             # build the targets and stop
+#   bash deploy/fuzz.sh --smoke --no-build       # run what --build-only built (.ci/run: the build
+#                                                # holds cargo's lock on target/, so it is not
+#                                                # left running beside the tests' own cargo)
 #
 # The smoke runs a fixed number of inputs per target (SMOKE_RUNS below: what about 30 s of
 # fuzzing did on a busy 2-core machine, 2026-12-03; FUZZ_SMOKE_RUNS overrides it for every
@@ -32,10 +36,13 @@ ALL_TARGETS=(pgoutput copy_data envelope startup amqp_frames)
 declare -A SMOKE_RUNS=([pgoutput]=6000000 [copy_data]=480000 [envelope]=1920000 [startup]=2800000 [amqp_frames]=1520000)
 seconds=600
 runs=
+build=yes
 targets=()
 for arg in "$@"; do
   case "$arg" in
     --smoke) runs=smoke ;;
+    --build-only) build=only ;;
+    --no-build) build=no ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     ''|*[!0-9]*)
       if [[ " ${ALL_TARGETS[*]} " == *" $arg "* ]]; then
@@ -74,11 +81,13 @@ start=$(date +%s)
 # Built first, so the run time is the fuzzing time.
 examples=()
 for t in "${targets[@]}"; do examples+=(--example "fuzz_$t"); done
-RUSTC_WORKSPACE_WRAPPER="$PWD/deploy/fuzz-rustc.sh" nice -n "$nice_level" \
-  cargo build --profile test --features fuzz "${examples[@]}"
 bin_dir=target/debug/examples
-built=$(date +%s)
-echo "fuzz: built in $((built - start)) s"
+if [[ $build != no ]]; then
+  RUSTC_WORKSPACE_WRAPPER="$PWD/deploy/fuzz-rustc.sh" nice -n "$nice_level" \
+    cargo build --profile test --features fuzz "${examples[@]}"
+  echo "fuzz: built in $(( $(date +%s) - start )) s"
+fi
+[[ $build == only ]] && exit 0
 
 mkdir -p target/fuzz-logs
 failed=()
