@@ -387,13 +387,14 @@ async fn try_main(job: Job) -> Result<u8, Error> {
             } else if args.unlock {
                 admin::lockdown::require_superuser(&client, "--unlock").await?;
             }
-            let failover = if args.failover {
-                admin::provisioning::SlotFailover::On
-            } else {
-                admin::provisioning::SlotFailover::Off
+            let failover = match args.failover {
+                Some(true) => admin::provisioning::SlotFailover::On,
+                Some(false) => admin::provisioning::SlotFailover::Off,
+                None => admin::provisioning::SlotFailover::Auto,
             };
             let report = admin::setup(
                 &client,
+                &args.db.url.config()?,
                 &schema,
                 prefix.as_ref(),
                 &args.db.slot,
@@ -445,6 +446,24 @@ async fn try_main(job: Job) -> Result<u8, Error> {
                 },
                 report.confirmed_flush_lsn
             );
+            match report.failover {
+                Some(true) if report.failover_altered => println!(
+                    "slot {} is now a failover slot (failover = true): standbys with sync_replication_slots = on keep a copy",
+                    args.db.slot
+                ),
+                Some(true) => println!(
+                    "slot {} is a failover slot (failover = true): standbys with sync_replication_slots = on keep a copy",
+                    args.db.slot
+                ),
+                Some(false) => println!(
+                    "slot {} is an ordinary slot (failover = false): it does not survive a failover of the primary",
+                    args.db.slot
+                ),
+                None => {}
+            }
+            if let Some(note) = &report.failover_note {
+                eprintln!("warning: {note}");
+            }
             if report.slot_created {
                 warn_recreated_slot(&client, &schema, &args.db.slot, &report.confirmed_flush_lsn)
                     .await;

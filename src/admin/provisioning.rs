@@ -3,8 +3,10 @@
 use serde::Serialize;
 use tokio_postgres::Client;
 
+use crate::config::DatabaseConfig;
 use crate::error::Error;
 use crate::outbox_schema::{install_sql, MessagePrefix, SchemaName, SETTINGS_SQL};
+use crate::replication::connect::ReplicationConnection;
 
 use super::inspection::{pending_outbox_messages, schema_flag, slot_status};
 use super::server::{check_replication_role, check_wal_level, publication_exists};
@@ -191,16 +193,32 @@ pub struct SetupReport {
     pub confirmed_flush_lsn: String,
     /// The prefix the schema's helpers write (stored in its settings table).
     pub prefix: MessagePrefix,
+    /// The slot's `failover` flag after setup; `None` on a server older than PostgreSQL 17,
+    /// which has no failover slots.
+    pub failover: Option<bool>,
+    /// The slot existed as an ordinary slot and setup made it a failover slot
+    /// (`ALTER_REPLICATION_SLOT ... (FAILOVER true)`).
+    pub failover_altered: bool,
+    /// Why the slot is not a failover slot although the server could have one, with the fix
+    /// (with [`SlotFailover::Auto`]: an existing slot held by a streamer cannot be altered).
+    pub failover_note: Option<String>,
 }
 
-/// Whether `setup` creates a failover slot (`setup --failover`).
+/// Whether `setup` creates a failover slot (`setup --failover[=true|false]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotFailover {
-    /// An ordinary slot: it lives on this server only.
+    /// An ordinary slot: it lives on this server only (`--failover=false`). An existing
+    /// failover slot is left as it is.
     Off,
     /// A failover slot (PostgreSQL 17+, `failover = true`): physical standbys with
-    /// `sync_replication_slots = on` keep a synced copy, usable after a promotion.
+    /// `sync_replication_slots = on` keep a synced copy, usable after a promotion
+    /// (`--failover`). Refused on older servers, and for an existing slot that a streamer
+    /// holds (it cannot be altered then).
     On,
+    /// The default: [`SlotFailover::On`] where the server has failover slots (17+), an
+    /// ordinary slot elsewhere; an existing slot that a streamer holds is left as it is, with
+    /// a note.
+    Auto,
 }
 
 /// The first PostgreSQL version (`server_version_num`) with failover slots.
@@ -210,8 +228,10 @@ pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
 /// (transformed by [`install_sql`]: the helpers write `prefix`), records the prefix in the
 /// schema's settings table, installs `sql/inbox.sql` (the consumer-side inbox,
 /// [`crate::inbox`]; with the default schema only: the inbox is not per outbox), creates
-/// the publication (no tables) and the pgoutput slot when missing (with `failover` on
-/// PostgreSQL 17+ when asked). Idempotent.
+/// the publication (no tables) and the pgoutput slot when missing, a failover slot on
+/// PostgreSQL 17+ unless `failover` is [`SlotFailover::Off`] (an existing ordinary slot is
+/// altered to one through a replication connection to `config`, while no streamer holds it).
+/// Idempotent.
 ///
 /// The prefix: `prefix` (`--prefix`), else the one stored before, else `pgoutbox` for
 /// the default schema; another schema must name one on its first setup.
@@ -219,11 +239,14 @@ pub const FAILOVER_SLOTS_SINCE: i32 = 170_000;
 /// # Errors
 /// [`Error::Precondition`] for `wal_level`, missing `REPLICATION`, no free slot, an
 /// existing slot with another plugin or database, or [`SlotFailover::On`] on a server older
-/// than 17 or with an existing slot that is not a failover slot, a prefix that differs from
+/// than 17 or with an existing ordinary slot that cannot be altered (a streamer holds it), a
+/// prefix that differs from
 /// the stored one or that another outbox of the database uses, no prefix for a new
 /// non-default schema; [`Error::Sql`] otherwise.
+#[allow(clippy::too_many_arguments)]
 pub async fn setup(
     client: &Client,
+    config: &DatabaseConfig,
     schema: &SchemaName,
     prefix: Option<&MessagePrefix>,
     slot: &str,
@@ -232,19 +255,24 @@ pub async fn setup(
 ) -> Result<SetupReport, Error> {
     check_wal_level(client).await?;
     check_replication_role(client).await?;
-    if failover == SlotFailover::On {
-        let version: i32 = client
-            .query_one("SELECT current_setting('server_version_num')::int", &[])
-            .await
-            .map_err(|e| Error::sql("reading server_version_num", e))?
-            .get(0);
-        if version < FAILOVER_SLOTS_SINCE {
-            return Err(Error::Precondition(format!(
-                "--failover: this server is PostgreSQL {}.{} and cannot create failover slots (they need PostgreSQL 17 or newer); run setup without --failover and keep the slot across a failover another way, e.g. as a Patroni permanent slot (see docs/src/operators/postgres-failover.md)",
-                version / 10_000,
-                version % 10_000 / 100
-            )));
-        }
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| Error::sql("reading server_version_num", e))?
+        .get(0);
+    let has_failover_slots = version >= FAILOVER_SLOTS_SINCE;
+    // Whether the slot should be a failover slot, on this server.
+    let want_failover = match failover {
+        SlotFailover::Off => false,
+        SlotFailover::Auto => has_failover_slots,
+        SlotFailover::On => true,
+    };
+    if failover == SlotFailover::On && !has_failover_slots {
+        return Err(Error::Precondition(format!(
+            "--failover: this server is PostgreSQL {}.{} and cannot create failover slots (they need PostgreSQL 17 or newer); run setup without --failover and keep the slot across a failover another way, e.g. as a Patroni permanent slot (see docs/src/operators/postgres-failover.md)",
+            version / 10_000,
+            version % 10_000 / 100
+        )));
     }
     let prefix = setup_prefix(client, schema, prefix).await?;
     client
@@ -311,25 +339,12 @@ pub async fn setup(
         )
         .await
         .map_err(|e| Error::sql("looking up the slot", e))?;
+    let mut failover_altered = false;
+    let mut failover_note = None;
     let slot_created = match existing {
         Some(row) => {
             let (plugin, db, current): (Option<String>, Option<String>, String) =
                 (row.get(0), row.get(1), row.get(2));
-            if failover == SlotFailover::On {
-                let is_failover: bool = client
-                    .query_one(
-                        "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&slot],
-                    )
-                    .await
-                    .map_err(|e| Error::sql("reading the slot's failover flag", e))?
-                    .get(0);
-                if !is_failover {
-                    return Err(Error::Precondition(format!(
-                        "--failover: slot {slot:?} exists and is not a failover slot; while no streamer holds it, run ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection (psql \"dbname=... replication=database\"), then setup again"
-                    )));
-                }
-            }
             if plugin.as_deref() != Some("pgoutput") || db.as_deref() != Some(current.as_str()) {
                 return Err(Error::Precondition(format!(
                     "slot {slot:?} exists with plugin {} in database {}; pgoutbox needs a pgoutput slot in database {current:?}: pick another --slot or drop that slot (SELECT pg_drop_replication_slot('{slot}'))",
@@ -337,17 +352,29 @@ pub async fn setup(
                     db.as_deref().map(|d| format!("{d:?}")).unwrap_or_else(|| "(none)".into()),
                 )));
             }
+            if want_failover && slot_failover(client, slot).await? == Some(false) {
+                match alter_slot_failover(client, config, slot).await {
+                    Ok(()) => failover_altered = true,
+                    Err(reason) if failover == SlotFailover::On => {
+                        return Err(Error::Precondition(format!(
+                            "--failover: slot {slot:?} exists and is not a failover slot, and setup could not make it one ({reason}); stop the streamer that holds it and run setup again, or run ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection (psql \"dbname=... replication=database\") while no streamer holds it"
+                        )));
+                    }
+                    Err(reason) => {
+                        failover_note = Some(format!(
+                            "slot {slot:?} is not a failover slot and setup could not make it one ({reason}), so it will not survive a failover of the primary; stop the streamer that holds it and run setup again (or setup --failover=false to keep an ordinary slot without this note)"
+                        ));
+                    }
+                }
+            }
             false
         }
         None => {
-            let create = match failover {
-                SlotFailover::Off => {
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
-                }
+            let create = if want_failover {
                 // (slot_name, plugin, temporary, twophase, failover): PostgreSQL 17+.
-                SlotFailover::On => {
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
-                }
+                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+            } else {
+                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
             };
             if let Err(e) = client.query_one(create, &[&slot]).await {
                 if e.code().map(|c| c.code()) == Some("53400") {
@@ -366,13 +393,96 @@ pub async fn setup(
         }
     };
     let status = slot_status(client, slot).await?;
+    let failover = if has_failover_slots {
+        slot_failover(client, slot).await?
+    } else {
+        None
+    };
     Ok(SetupReport {
         publication_created,
         slot_created,
         confirmed_flush_lsn: status.confirmed_flush_lsn.unwrap_or_default(),
         prefix,
+        failover,
+        failover_altered,
+        failover_note,
     })
 }
+
+/// The slot's `failover` flag (`pg_replication_slots.failover`, PostgreSQL 17+); `None` when
+/// the slot is missing. Call only on a server that has the column.
+async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, Error> {
+    Ok(client
+        .query_opt(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the slot's failover flag", e))?
+        .map(|r| r.get(0)))
+}
+
+/// Makes an existing slot a failover slot: `ALTER_REPLICATION_SLOT slot (FAILOVER true)` on a
+/// replication connection (PostgreSQL 17 has no SQL function for it). The server would wait
+/// for a slot that a streamer holds until it is released, so a held slot is not tried, and a
+/// command that still waits after [`ALTER_SLOT_WAIT`] (a streamer took the slot in between) is
+/// cancelled. The reason it could not be done is returned as one line.
+async fn alter_slot_failover(
+    client: &Client,
+    config: &DatabaseConfig,
+    slot: &str,
+) -> Result<(), String> {
+    let holder = client
+        .query_opt(
+            "SELECT s.active_pid, coalesce(a.application_name, '') FROM pg_replication_slots s
+             LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+             WHERE s.slot_name = $1 AND s.active",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| crate::report::one_line(&e))?;
+    if let Some(row) = holder {
+        let (pid, name): (Option<i32>, String) = (row.get(0), row.get(1));
+        return Err(format!(
+            "a streamer holds it: pid {}, application_name {name:?}",
+            pid.map(|p| p.to_string())
+                .unwrap_or_else(|| "unknown".into())
+        ));
+    }
+    // Unique, so that a command left waiting can be found and cancelled.
+    let application_name = format!("pgoutbox-setup-{}", std::process::id());
+    let alter = async {
+        let mut conn = ReplicationConnection::connect(config, &application_name)
+            .await
+            .map_err(|e| crate::report::one_line(&e))?;
+        conn.simple_query(
+            &format!("ALTER_REPLICATION_SLOT \"{slot}\" (FAILOVER true)"),
+            "altering the slot to a failover slot",
+        )
+        .await
+        .map_err(|e| crate::report::one_line(&e))?;
+        Ok(())
+    };
+    match tokio::time::timeout(ALTER_SLOT_WAIT, alter).await {
+        Ok(result) => result,
+        Err(_) => {
+            let _ = client
+                .execute(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity
+                     WHERE application_name = $1 AND backend_type = 'walsender'",
+                    &[&application_name],
+                )
+                .await;
+            Err(format!(
+                "a streamer took it while setup waited {} s to alter it",
+                ALTER_SLOT_WAIT.as_secs()
+            ))
+        }
+    }
+}
+
+/// How long `setup` waits for `ALTER_REPLICATION_SLOT` (it waits while the slot is held).
+const ALTER_SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// What `teardown` did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -404,11 +404,21 @@ pub struct SetupArgs {
     /// pg_logical_emit_message back to PUBLIC, helpers SECURITY INVOKER again.
     #[arg(long)]
     pub unlock: bool,
-    /// Create the slot as a failover slot (PostgreSQL 17+): physical standbys with
-    /// sync_replication_slots = on keep a synced copy that survives a promotion. Refused,
-    /// with the alternative, on older servers.
-    #[arg(long, env = "PGOUTBOX_FAILOVER")]
-    pub failover: bool,
+    /// Make the slot a failover slot (PostgreSQL 17+): physical standbys with
+    /// sync_replication_slots = on keep a synced copy that survives a promotion. Default: on
+    /// where the server supports it (17+; an existing ordinary slot is altered while no
+    /// streamer holds it), an ordinary slot on older servers. --failover (=true) requires it
+    /// and is refused, with the alternative, on older servers; --failover=false keeps an
+    /// ordinary slot.
+    #[arg(
+        long,
+        env = "PGOUTBOX_FAILOVER",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub failover: Option<bool>,
     /// Also create the least-privilege roles of sql/roles.sql (idempotent; needs a
     /// superuser): the streamer role (LOGIN REPLICATION, and the grants `run` needs in this
     /// database) and the producer role (NOLOGIN: EXECUTE on outbox.emit and

@@ -355,10 +355,13 @@ async fn three_replicas_survive_repeated_sigkill_of_the_active_one() {
     );
 }
 
-/// `setup --failover` creates a failover slot on PostgreSQL 17+ and says plainly on an older
-/// server that it cannot (the harness runs 15, so the refusal is what is checked here).
+/// `setup` makes the slot a failover slot where the server has them (PostgreSQL 17+, the
+/// default), alters an existing ordinary slot while no streamer holds it, and leaves a held one
+/// as it is with a warning (`--failover` then refuses); on 14 to 16 it makes an ordinary slot
+/// and `--failover` says plainly that the server cannot. Run on each version by
+/// `PGOUTBOX_TEST_PG` (deploy/test-compat.sh).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_failover_says_plainly_when_the_server_cannot() {
+async fn setup_makes_a_failover_slot_where_the_server_has_them() {
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "standby_failover").await;
     let version: i32 = ob
@@ -366,9 +369,18 @@ async fn setup_failover_says_plainly_when_the_server_cannot() {
         .trim()
         .parse()
         .expect("server_version_num");
-    let out = ob.cli(&["setup", "--publication", &ob.publication, "--failover"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let failover_flag = || {
+        ob.sql(&format!(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = '{}'",
+            ob.slot
+        ))
+        .trim()
+        .to_owned()
+    };
     if version < 170_000 {
+        // The default setup (Outbox::new) made an ordinary slot; --failover is refused.
+        let out = ob.cli(&["setup", "--publication", &ob.publication, "--failover"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{stderr}");
         assert!(
             stderr.contains("cannot create failover slots")
@@ -376,11 +388,73 @@ async fn setup_failover_says_plainly_when_the_server_cannot() {
                 && stderr.contains("Patroni"),
             "{stderr}"
         );
-    } else {
-        // The slot exists already (Outbox::new ran setup) and is not a failover slot.
-        assert!(!out.status.success(), "{stderr}");
-        assert!(stderr.contains("ALTER_REPLICATION_SLOT"), "{stderr}");
+        return;
     }
+    // Created by the default setup of Outbox::new.
+    assert_eq!(failover_flag(), "t", "setup's new slot on {version}");
+
+    // An ordinary slot (made by hand, or by an older pgoutbox) is altered by setup.
+    ob.sql(&format!(
+        "SELECT pg_drop_replication_slot('{s}'); \
+         SELECT pg_create_logical_replication_slot('{s}', 'pgoutput')",
+        s = ob.slot
+    ));
+    assert_eq!(failover_flag(), "f");
+    let out = ob.cli(&["setup", "--publication", &ob.publication]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("is now a failover slot"), "{stdout}");
+    assert_eq!(failover_flag(), "t", "setup altered the existing slot");
+
+    // --failover=false leaves an existing failover slot as it is, and makes a new slot an
+    // ordinary one.
+    ob.sql(&format!(
+        "SELECT pg_drop_replication_slot('{s}')",
+        s = ob.slot
+    ));
+    let out = ob.cli(&[
+        "setup",
+        "--publication",
+        &ob.publication,
+        "--failover=false",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(failover_flag(), "f", "--failover=false");
+
+    // A slot a streamer holds cannot be altered: the default says so and goes on, --failover
+    // refuses.
+    let run = ob.run(&[]);
+    ob.assert_streams_as_streamer(scaled(Duration::from_secs(60)), "run holds the slot")
+        .await;
+    let out = ob.cli(&["setup", "--publication", &ob.publication]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is not a failover slot") && stderr.contains("stop the streamer"),
+        "{stderr}"
+    );
+    let out = ob.cli(&["setup", "--publication", &ob.publication, "--failover"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("ALTER_REPLICATION_SLOT"), "{stderr}");
+    assert_eq!(failover_flag(), "f");
+    run.stop_ok(scaled(Duration::from_secs(30))).await;
+    // Once it is free, setup makes it one.
+    let out = ob.cli(&["setup", "--publication", &ob.publication, "--failover"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(failover_flag(), "t", "setup --failover on the freed slot");
 }
 
 /// `host=a,b` with `target_session_attrs=read-write` (the multi-host URL that follows a

@@ -23,6 +23,9 @@
 //! Environment knobs:
 //! * `PGOUTBOX_TEST_SCALE` multiplies durations/counts (default 1.0).
 //! * `PGOUTBOX_PG_BIN_DIR` overrides the PostgreSQL bin directory.
+//! * `PGOUTBOX_TEST_PG=14|15|16|17|18` picks the server's major version: the system's
+//!   `/usr/lib/postgresql/N` when present, else the pinned npm build that
+//!   `deploy/pg-version.sh N` installs into a cache (default: the system's newest).
 //! * `PGOUTBOX_RABBITMQ_BIN_DIR` overrides the RabbitMQ scripts directory.
 //! * `PGOUTBOX_TEST_KEEP=1` keeps server directories after stop (debugging).
 #![allow(dead_code, unused_imports)]

@@ -163,14 +163,36 @@ impl Postgres {
              CREATE ROLE pw_cleartext LOGIN REPLICATION PASSWORD 'pw_cleartext'; \
              CREATE ROLE norepl LOGIN;",
         );
+        let version = pg.server_version_num();
+        if let Some(major) = requested_major() {
+            assert_eq!(
+                version / 10000,
+                major,
+                "PGOUTBOX_TEST_PG={major} but {} runs server_version_num {version}",
+                pg.bin.display()
+            );
+        }
         eprintln!(
-            "[harness] postgres {} on port {} ready in {:.1?} ({})",
+            "[harness] postgres {version} {} on port {} ready in {:.1?} ({})",
             if private { "private" } else { "shared" },
             pg.port,
             t0.elapsed(),
             pg.root.display()
         );
         pg
+    }
+
+    /// `server_version_num` of the running server (e.g. 170009 for 17.9).
+    pub fn server_version_num(&self) -> u32 {
+        let v = self.psql("postgres", "SHOW server_version_num");
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("server_version_num: {v:?}"))
+    }
+
+    /// The running server's major version (e.g. 17).
+    pub fn major(&self) -> u32 {
+        self.server_version_num() / 10000
     }
 
     /// TCP port (on 127.0.0.1).
@@ -193,7 +215,8 @@ impl Postgres {
         self.root.join("data")
     }
 
-    /// PostgreSQL bin directory in use (initdb, pg_ctl, psql, pg_recvlogical…).
+    /// PostgreSQL bin directory in use (initdb, pg_ctl, postgres; psql and the other clients
+    /// only for the system's builds, not for the npm ones of `PGOUTBOX_TEST_PG`).
     pub fn bin_dir(&self) -> PathBuf {
         self.bin.clone()
     }
@@ -268,7 +291,7 @@ impl Postgres {
     /// Run SQL through `psql` (superuser, Unix socket, ON_ERROR_STOP); panics on
     /// failure; returns stdout (unaligned, tuples only). Synchronous.
     pub fn psql(&self, db: &str, sql: &str) -> String {
-        let out = Command::new(self.bin.join("psql"))
+        let out = Command::new(psql_for(&self.bin))
             .args([
                 "-X",
                 "-q",
@@ -421,22 +444,63 @@ async fn connect_retry(url: &str) -> tokio_postgres::Client {
     }
 }
 
+/// The PostgreSQL major version the tests ask for, from `PGOUTBOX_TEST_PG` (14 to 18), or
+/// `None` when unset (the system's newest installed server).
+pub fn requested_major() -> Option<u32> {
+    let v = std::env::var("PGOUTBOX_TEST_PG").ok()?;
+    let v = v.trim();
+    if v.is_empty() {
+        return None;
+    }
+    match v.parse::<u32>() {
+        Ok(m) if (14..=18).contains(&m) => Some(m),
+        _ => panic!("PGOUTBOX_TEST_PG={v:?}: expected a PostgreSQL major version, 14 to 18"),
+    }
+}
+
+/// The server bin directory, found once per test process: `PGOUTBOX_PG_BIN_DIR` when set;
+/// else, with `PGOUTBOX_TEST_PG=N`, the system's `/usr/lib/postgresql/N/bin` when present and
+/// otherwise the pinned npm build that `deploy/pg-version.sh N` installs (and caches); else the
+/// newest server the system has.
 fn find_bin_dir() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(find_bin_dir_uncached).clone()
+}
+
+fn find_bin_dir_uncached() -> PathBuf {
     if let Ok(d) = std::env::var("PGOUTBOX_PG_BIN_DIR") {
         return PathBuf::from(d);
     }
-    let mut candidates: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let v: u32 = e.file_name().to_str()?.parse().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("initdb").exists().then_some((v, bin))
-        })
-        .collect();
-    candidates.sort();
-    if let Some((_, bin)) = candidates.pop() {
+    if let Some(major) = requested_major() {
+        let system = PathBuf::from(format!("/usr/lib/postgresql/{major}/bin"));
+        if system.join("initdb").exists() && system.join("postgres").exists() {
+            return system;
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/pg-version.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(major.to_string())
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", script.display()));
+        if !out.status.success() {
+            panic!(
+                "{} {major} failed (PGOUTBOX_TEST_PG={major}): {}",
+                script.display(),
+                out.status
+            );
+        }
+        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        assert!(
+            bin.join("initdb").exists(),
+            "{} {major} printed {}, which has no initdb",
+            script.display(),
+            bin.display()
+        );
+        return bin;
+    }
+    if let Some(bin) = system_bin_dirs().pop() {
         return bin;
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
@@ -448,6 +512,41 @@ fn find_bin_dir() -> PathBuf {
     panic!(
         "PostgreSQL binaries not found: run `deploy/stack.sh install` or set PGOUTBOX_PG_BIN_DIR"
     );
+}
+
+/// The system's server bin directories (`/usr/lib/postgresql/N/bin` with an initdb), oldest
+/// first.
+fn system_bin_dirs() -> Vec<PathBuf> {
+    let mut candidates: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let v: u32 = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").exists().then_some((v, bin))
+        })
+        .collect();
+    candidates.sort();
+    candidates.into_iter().map(|(_, b)| b).collect()
+}
+
+/// The `psql` client for a server bin directory: its own when it has one, else the newest
+/// client the system has (the npm server builds ship none; psql speaks to newer servers for
+/// the plain statements the harness sends), else `psql` on the PATH.
+fn psql_for(bin: &Path) -> PathBuf {
+    static PSQL: OnceLock<PathBuf> = OnceLock::new();
+    if bin.join("psql").exists() {
+        return bin.join("psql");
+    }
+    PSQL.get_or_init(|| {
+        let mut dirs = system_bin_dirs();
+        dirs.retain(|d| d.join("psql").exists());
+        dirs.pop()
+            .map(|d| d.join("psql"))
+            .unwrap_or_else(|| PathBuf::from("psql"))
+    })
+    .clone()
 }
 
 fn append(path: &Path, s: &str) {
