@@ -57,6 +57,13 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
             &WINDOW.to_string(),
             "--instance-id",
             &instance,
+            // While a quorum queue elects a leader every publish to it is nacked. On a
+            // loaded 2-core machine one election took over 40 s (CI, 2026-12-06), and the
+            // default 5 attempts (1.5 s of backoff) dead-lettered messages that this test
+            // then missed from the queue. What this test proves is the failover; how long
+            // a nack is retried is the dead-letter policy's (issue 31).
+            "--max-attempts",
+            "1000",
         ],
     );
 
