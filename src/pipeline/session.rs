@@ -278,6 +278,9 @@ async fn prepare(sql: &tokio_postgres::Client, config: &RunConfig) -> Result<Mes
     for warning in warnings {
         tracing::warn!("{warning}");
     }
+    if let Some(warning) = admin::failover::unguarded_warning(sql, &config.postgres.slot).await {
+        tracing::warn!(slot = %config.postgres.slot, "{warning}");
+    }
     Ok(prefix)
 }
 

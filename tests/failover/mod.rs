@@ -694,3 +694,143 @@ async fn failovers_back_and_forth_lose_and_invent_nothing() {
     assert!(!log.contains("--accept-gap)"), "{log}");
     run.stop_ok(scaled(Duration::from_secs(60))).await;
 }
+
+/// `check` and `status` report what a failover needs, each missing piece with its fix: on
+/// the primary, a failover slot without `synchronized_standby_slots` (phantom events: `check`
+/// fails, `run` warns at start), a listed physical slot that is missing or not streamed from;
+/// on the standby of `--standby-url`, `hot_standby_feedback` off, then (fixed) the slot
+/// synchronized and persistent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_and_status_name_what_a_failover_needs() {
+    let bin = pg17_bin();
+    let rabbit = RabbitMq::shared();
+    let a = Node::primary(&bin, "A");
+    let ob = Outbox::new(&a.pg, &rabbit.url(), "fo_check").await;
+    let (db, slot) = (ob.db.clone(), ob.slot.clone());
+    let check = |standby: Option<&Node>| {
+        let mut args = vec![
+            "check".to_owned(),
+            "--amqp-url".into(),
+            rabbit.url(),
+            "--publication".into(),
+            ob.publication.clone(),
+            "--exchange".into(),
+            ob.exchange.clone(),
+        ];
+        if let Some(s) = standby {
+            args.extend(["--standby-url".into(), s.pg.url(&db)]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = ob.cli(&args);
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let status = |standby: Option<&Node>| {
+        let mut args = vec!["status".to_owned()];
+        if let Some(s) = standby {
+            args.extend(["--standby-url".into(), s.pg.url(&db)]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        String::from_utf8_lossy(&ob.cli(&args).stdout).into_owned()
+    };
+    let reload = |node: &Node, sql: &str| {
+        node.psql("postgres", sql);
+        node.psql("postgres", "SELECT pg_reload_conf()");
+    };
+
+    // A failover slot with synchronized_standby_slots empty: check fails naming it, run warns.
+    reload(&a, "ALTER SYSTEM SET synchronized_standby_slots = ''");
+    let (ok, out) = check(None);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("PROBLEM synchronized_standby_slots:")
+            && out.contains("phantom events")
+            && out.contains("ALTER SYSTEM SET synchronized_standby_slots"),
+        "{out}"
+    );
+    let run = ob.run(&[]);
+    assert!(
+        run.wait_for_log(": streaming slot=", scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        run.log()
+    );
+    let log = run.log();
+    assert!(
+        log.contains("WARN") && log.contains("synchronized_standby_slots is empty"),
+        "{log}"
+    );
+    run.stop_ok(scaled(Duration::from_secs(30))).await;
+
+    // Listed, but the physical slot is missing: run would stall.
+    reload(&a, "ALTER SYSTEM RESET synchronized_standby_slots");
+    let (ok, out) = check(None);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(&format!("lists \"{STANDBY_SLOT}\", which does not exist"))
+            && out.contains("pg_create_physical_replication_slot"),
+        "{out}"
+    );
+    // Present, but no standby streams from it yet: a warning.
+    ensure_standby_slot(&a);
+    let (ok, out) = check(None);
+    assert!(ok, "{out}");
+    assert!(out.contains("which no standby streams from"), "{out}");
+    assert!(
+        status(None).contains("failover (primary):")
+            && status(None).contains("which no standby streams from"),
+        "{}",
+        status(None)
+    );
+
+    // A standby with hot_standby_feedback off.
+    a.pg.stop_fast();
+    let b = Node::empty(&bin, "B");
+    b.rebuild_as_standby_of(&a, &db);
+    append(
+        &b.data().join("postgresql.auto.conf"),
+        "hot_standby_feedback = off\n",
+    );
+    a.pg.start();
+    b.pg.start();
+    let (ok, out) = check(Some(&b));
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("PROBLEM standby hot_standby_feedback:")
+            && out.contains("hot_standby_feedback = on"),
+        "{out}"
+    );
+    // Fixed: with run streaming, the slot is synchronized and made persistent.
+    let text = std::fs::read_to_string(b.data().join("postgresql.auto.conf")).unwrap();
+    std::fs::write(
+        b.data().join("postgresql.auto.conf"),
+        text.replace("hot_standby_feedback = off\n", ""),
+    )
+    .unwrap();
+    b.psql("postgres", "SELECT pg_reload_conf()");
+    let run = ob.run(&[]);
+    assert!(
+        run.wait_for_log(": streaming slot=", scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        run.log()
+    );
+    ob.emit("fo_check", "fo-check-1");
+    wait_standby_ready(&a, &b, &db, &slot).await;
+    let (ok, out) = check(Some(&b));
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ok      standby hot_standby_feedback: on")
+            && out.contains("standby slot on the standby:")
+            && out.contains("synchronized, persistent"),
+        "{out}"
+    );
+    let report = status(Some(&b));
+    assert!(
+        report.contains("failover (standby):") && report.contains("synchronized, persistent"),
+        "{report}"
+    );
+    run.stop_ok(scaled(Duration::from_secs(30))).await;
+}
