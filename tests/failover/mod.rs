@@ -834,3 +834,76 @@ async fn check_and_status_name_what_a_failover_needs() {
     );
     run.stop_ok(scaled(Duration::from_secs(30))).await;
 }
+
+/// An old primary that comes back writable after a failover (split brain), listed first in
+/// the multi-host URL: `run`, which followed the failover to the promoted server (timeline
+/// 2), refuses the old one (timeline 1) with a gap naming both timelines and the fix, instead
+/// of streaming a history the new primary does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_primary_that_comes_back_is_refused() {
+    let bin = pg17_bin();
+    let rabbit = RabbitMq::shared();
+    let a = Node::primary(&bin, "A");
+    ensure_standby_slot(&a);
+    let ob = Outbox::new(&a.pg, &rabbit.url(), "fo_old").await;
+    let (db, slot) = (ob.db.clone(), ob.slot.clone());
+    a.pg.stop_fast();
+    let b = Node::empty(&bin, "B");
+    b.rebuild_as_standby_of(&a, &db);
+    a.pg.start();
+    b.pg.start();
+    let url = format!(
+        "postgres://{}@127.0.0.1:{},127.0.0.1:{}/{db}?target_session_attrs=read-write&connect_timeout=5",
+        support::fixture::STREAMER_ROLE,
+        a.port,
+        b.port
+    );
+    let run = ob.run_with_url(&url, &["--reconnect-backoff-max-ms", "1000"]);
+    assert!(
+        run.wait_for_log(": streaming slot=", scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        run.log()
+    );
+    ob.emit("fo_old", "fo-old-1");
+    wait_standby_ready(&a, &b, &db, &slot).await;
+    // A dies, B is promoted, run follows it.
+    a.pg.stop_immediate();
+    b.psql("postgres", "SELECT pg_promote(true, 120)");
+    ensure_standby_slot(&b);
+    assert!(
+        run.wait_for_log("timeline=2", scaled(Duration::from_secs(120)))
+            .await
+            && support::wait_until(scaled(Duration::from_secs(60)), || async {
+                run.log_count(": streaming slot=") >= 2
+            })
+            .await,
+        "{}",
+        tail(&run.log(), 40)
+    );
+    // The old primary comes back as a primary; the new one goes away for a moment, so run
+    // reconnects, to the first writable host: the old primary.
+    a.pg.start();
+    b.pg.stop_immediate();
+    let exited = run.wait_exit(scaled(Duration::from_secs(120))).await;
+    let log = run.log();
+    assert!(
+        exited.is_some_and(|s| !s.success()),
+        "run did not stop at the old primary: {exited:?}\n{}",
+        tail(&log, 40)
+    );
+    assert!(
+        log.contains("this server is on timeline 1")
+            && log.contains("already streamed from timeline 2")
+            && log.contains("old primary")
+            && log.contains("may never have been delivered"),
+        "{}",
+        tail(&log, 40)
+    );
+    eprintln!(
+        "[failover] run refused the old primary: {}",
+        log.lines()
+            .find(|l| l.contains("old primary"))
+            .unwrap_or_default()
+    );
+}
