@@ -58,16 +58,52 @@ fn finding(severity: Severity, subject: &str, text: impl Into<String>) -> Findin
 /// How long each server may take to answer `check`.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Inspects both servers for `config` (already validated). Never fails: an unreachable
-/// server is a problem finding.
-pub async fn check(config: &RunConfig) -> Vec<Finding> {
+/// Inspects both servers for `config` (already validated), and the physical standby of
+/// `standby` (`--standby-url`) when given. Never fails: an unreachable server is a problem
+/// finding.
+pub async fn check(
+    config: &RunConfig,
+    standby: Option<&crate::config::DatabaseConfig>,
+) -> Vec<Finding> {
     let mut out = vec![
         finding(Severity::Ok, "settings", "valid"),
         finding(Severity::Ok, "routing", routing_summary(config)),
     ];
     postgres(config, &mut out).await;
+    if let Some(standby) = standby {
+        standby_side(standby, &config.postgres.slot, &mut out).await;
+    }
     broker(config, &mut out).await;
     out
+}
+
+/// What a failover needs on the standby of `--standby-url` ([`admin::failover::on_standby`]).
+async fn standby_side(standby: &crate::config::DatabaseConfig, slot: &str, out: &mut Vec<Finding>) {
+    let client = match crate::postgres::connect(standby).await {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(finding(Severity::Problem, "standby", report(&e.into())));
+            return;
+        }
+    };
+    match admin::failover::on_standby(&client, slot).await {
+        Ok(checks) => add_failover(out, "standby ", checks),
+        Err(e) => out.push(finding(Severity::Problem, "standby", report(&e))),
+    }
+}
+
+/// Failover findings as `check`'s: one not met is a problem (a failover would lose or invent
+/// events, or `run` stalls), a warning stays one.
+fn add_failover(out: &mut Vec<Finding>, prefix: &str, checks: Vec<admin::failover::FailoverCheck>) {
+    use admin::failover::Level;
+    for c in checks {
+        let severity = match c.level {
+            Level::Ok => Severity::Ok,
+            Level::Warning => Severity::Warning,
+            Level::Problem => Severity::Problem,
+        };
+        out.push(finding(severity, &format!("{prefix}{}", c.subject), c.text));
+    }
 }
 
 /// What producers may name and how exchanges are declared (docs/src/producers/routing.md).
@@ -268,6 +304,14 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
             }
             out.push(finding(Severity::Problem, "slot", text));
         }
+    }
+    match admin::failover::on_primary(&client, slot).await {
+        Ok(checks) => add_failover(out, "", checks),
+        Err(e) => out.push(finding(
+            Severity::Warning,
+            "synchronized_standby_slots",
+            report(&e),
+        )),
     }
     let publication = &config.postgres.publication;
     match admin::publication_exists(&client, publication).await {
@@ -523,7 +567,7 @@ pub fn print(findings: &[Finding]) -> usize {
         std::io::stdout(),
         "check: {problems} problem(s), {warnings} warning(s){}",
         if problems > 0 {
-            ": `run` would stop; fix the problems above"
+            ": `run` would stop, or a failover lose or invent events; fix the problems above"
         } else {
             ": `run` can start"
         }

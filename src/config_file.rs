@@ -440,7 +440,7 @@ pub fn parse_cli_from(
             args.passwords_on_argv = passwords;
             check_required(args)?;
         }
-        Command::Check(args) => check_required(args)?,
+        Command::Check(args) => check_required(&args.run)?,
         _ => {}
     }
     Ok((cli, file))
@@ -508,7 +508,8 @@ mod tests {
 
     fn run_args(cli: Cli) -> RunArgs {
         match cli.command {
-            Command::Run(a) | Command::Check(a) => a,
+            Command::Run(a) => a,
+            Command::Check(a) => a.run,
             _ => unreachable!(),
         }
     }

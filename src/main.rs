@@ -329,8 +329,8 @@ fn usage_error(e: clap::Error) -> ExitCode {
 enum Job {
     /// `run`, and the flags that carried a password on the command line (to warn about).
     Run(RunConfig, Vec<&'static str>),
-    /// `check`.
-    Check(RunConfig),
+    /// `check`, and the standby of `--standby-url`.
+    Check(RunConfig, Option<Box<pgoutbox::config::DatabaseConfig>>),
     /// Every other subcommand (they validate their few arguments as they go).
     Other(Command),
 }
@@ -343,7 +343,10 @@ impl Job {
                 let passwords = args.passwords_on_argv.clone();
                 Job::Run(args.into_config()?, passwords)
             }
-            Command::Check(args) => Job::Check(args.into_config()?),
+            Command::Check(args) => {
+                let standby = args.standby.config()?.map(Box::new);
+                Job::Check(args.run.into_config()?, standby)
+            }
             other => Job::Other(other),
         })
     }
@@ -353,8 +356,8 @@ impl Job {
 async fn try_main(job: Job) -> Result<u8, Error> {
     let command = match job {
         Job::Run(config, passwords_on_argv) => return run(config, &passwords_on_argv).await,
-        Job::Check(config) => {
-            let findings = pgoutbox::check::check(&config).await;
+        Job::Check(config, standby) => {
+            let findings = pgoutbox::check::check(&config, standby.as_deref()).await;
             return match pgoutbox::check::print(&findings) {
                 0 => Ok(0),
                 n => Err(Error::Precondition(format!(
@@ -711,7 +714,7 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
         crit_bytes: args.crit_lag_bytes,
     };
     let prefix = admin::resolve_prefix(&client, &schema, None).await?;
-    let r = admin::health(
+    let mut r = admin::health(
         &mut client,
         &schema,
         &prefix,
@@ -720,6 +723,22 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
         lag,
     )
     .await?;
+    if let Some(standby) = args.standby.config()? {
+        let checks = match pgoutbox::postgres::connect(&standby).await {
+            Ok(c) => admin::failover::on_standby(&c, &args.db.slot).await,
+            Err(e) => Err(e.into()),
+        };
+        r.add_failover(
+            "standby",
+            checks.unwrap_or_else(|e| {
+                vec![admin::failover::FailoverCheck {
+                    level: admin::failover::Level::Problem,
+                    subject: "standby",
+                    text: format!("cannot be read: {}", pgoutbox::report::one_line(&e)),
+                }]
+            }),
+        );
+    }
     if args.json {
         println!("{}", serde_json::to_string(&r).unwrap_or_default());
     } else {
@@ -829,6 +848,17 @@ async fn status(args: pgoutbox::cli::StatusArgs) -> Result<u8, Error> {
                 .map(|g| format!("{} to {} ({})", g.from_lsn, g.to_lsn, g.reason))
                 .unwrap_or_else(|| "none".into())
         );
+        for f in &r.failover {
+            println!(
+                "failover ({}):{:width$}{} {}: {}",
+                f.on,
+                "",
+                f.level,
+                f.subject,
+                f.text,
+                width = 13usize.saturating_sub(f.on.len())
+            );
+        }
         println!(
             "severity:               {}",
             match r.severity {

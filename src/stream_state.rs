@@ -7,12 +7,28 @@
 //! reported (`sql/stream_state.sql`), and compares on every session start:
 //!
 //! ```text
-//!   slot confirmed_flush_lsn  >  recorded flush_lsn   -> gap (recreated slot): refuse
 //!   system identifier changed                          -> gap (another cluster): refuse
+//!   timeline below the record's or below the highest
+//!     this process streamed from (same system)          -> gap (an old primary back): refuse
 //!   slot confirmed_flush_lsn  <  recorded flush_lsn   -> duplicates only: warn, go on
+//!   slot confirmed_flush_lsn  >  recorded flush_lsn:
+//!     same timeline as the record                      -> gap (recreated slot): refuse
+//!     higher timeline (a promoted standby), the slot
+//!       failover and synced, at or before the switch
+//!       point into the server's timeline               -> ours: info, go on, record it
+//!     higher timeline, anything else                   -> gap (unproven): refuse
 //! ```
 //!
 //! `--accept-gap` starts anyway and appends the gap to `accepted_gaps` (and the log).
+//!
+//! Why a promoted server's synchronized slot may be ahead of the record, and why its
+//! position is then one pgoutbox reported (so nothing was lost): the record of a flush
+//! position F is committed at an LSN after F (F was already in the WAL the walsender sent),
+//! while the slot that F was reported to is copied to the standby out of band, up to the
+//! standby's flushed WAL. A standby that holds WAL up to somewhere between F and the
+//! record's commit has the slot at F and the record before it. The proof, with its
+//! assumptions, is in docs/src/operators/postgres-failover.md ("The gap rule after a
+//! promotion").
 //!
 //! The record is never behind what the server was told: the session start writes it before
 //! the first standby status update, and the [`FlushGate`] lets the pipeline report only
@@ -123,6 +139,27 @@ pub enum GapReason {
         /// The server's now.
         now: String,
     },
+    /// The server was promoted (a higher timeline than the record's) and its slot begins
+    /// after the record, but nothing proves that pgoutbox reported that position: the slot
+    /// is not a synchronized failover slot, or it lies past the point where the server's
+    /// timeline began.
+    PromotedSlotUnproven {
+        /// The record's timeline.
+        recorded_timeline: u32,
+        /// The server's timeline now.
+        timeline: u32,
+        /// What is missing from the proof, as one clause.
+        missing: String,
+    },
+    /// The server is on a lower timeline than the record, or than a server of the same
+    /// cluster this process already streamed from: an old primary that came back after a
+    /// failover (its history after the switch point never happened on the new primary).
+    TimelineBehind {
+        /// The server's timeline now.
+        timeline: u32,
+        /// The highest timeline seen (the record's, or this process's).
+        highest: u32,
+    },
 }
 
 impl GapReason {
@@ -131,6 +168,8 @@ impl GapReason {
         match self {
             GapReason::SlotRecreated => "slot_recreated",
             GapReason::SystemChanged { .. } => "system_changed",
+            GapReason::PromotedSlotUnproven { .. } => "promoted_slot_unproven",
+            GapReason::TimelineBehind { .. } => "timeline_behind",
         }
     }
 }
@@ -159,6 +198,18 @@ impl std::fmt::Display for Gap {
                 "the server's system identifier is {now}, but slot {:?} was streamed from system {recorded} (another cluster, restored from a logical dump or recreated)",
                 self.slot
             ),
+            GapReason::PromotedSlotUnproven {
+                recorded_timeline,
+                timeline,
+                missing,
+            } => format!(
+                "this server was promoted (timeline {recorded_timeline} in outbox.stream_state, {timeline} now) and slot {:?} begins at {}, after the {} pgoutbox recorded, but {missing}, so nothing proves pgoutbox reported that position (see docs/src/operators/postgres-failover.md)",
+                self.slot, self.to, self.from
+            ),
+            GapReason::TimelineBehind { timeline, highest } => format!(
+                "this server is on timeline {timeline}, but slot {:?} was already streamed from timeline {highest} of the same cluster: it is an old primary that came back after a failover, and what it committed after the switch point is not in the new primary's history. Point the database URL at the current primary, or rebuild this server as a standby of it (pg_rewind or a new base backup); --accept-gap streams from it anyway",
+                self.slot
+            ),
         };
         write!(
             f,
@@ -166,6 +217,40 @@ impl std::fmt::Display for Gap {
             self.from, self.to
         )
     }
+}
+
+/// The slot as the gap rule sees it, read while this session holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotAt {
+    /// Its `confirmed_flush_lsn`.
+    pub confirmed_flush: Lsn,
+    /// Whether the slot was copied by PostgreSQL's slot synchronization: `failover` and
+    /// `synced` both true in `pg_replication_slots` (PostgreSQL 17+; false on older servers).
+    pub sync: SlotSync,
+}
+
+/// Whether a slot's position came from PostgreSQL's slot synchronization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotSync {
+    /// `failover = true` and `synced = true`: a copy of a primary's failover slot, made by
+    /// the slotsync worker of a standby (which this server then was).
+    SyncedFailover,
+    /// Anything else: an ordinary slot, a failover slot created here, or a server older
+    /// than 17.
+    NotSynced,
+}
+
+/// The server's history as the gap rule sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerHistory<'a> {
+    /// IDENTIFY_SYSTEM's answer.
+    pub identity: &'a SystemIdentity,
+    /// Where the server's current timeline began: the last switch point in
+    /// `TIMELINE_HISTORY` of its timeline (`None` on timeline 1, or when unknown).
+    pub switch_point: Option<Lsn>,
+    /// The highest timeline this process streamed from on this system (`None`: none yet,
+    /// or another system).
+    pub highest_seen: Option<u32>,
 }
 
 /// How the slot compares with the record.
@@ -182,38 +267,106 @@ pub enum Verdict {
         /// The recorded flush LSN.
         recorded: Lsn,
     },
+    /// A promoted server whose synchronized failover slot begins after the record: the
+    /// record's last write was in WAL the standby never received, while the slot holds a
+    /// position pgoutbox reported (the proof is in docs/src/operators/postgres-failover.md).
+    /// Nothing lost: go on from the slot and raise the record to it.
+    PromotedAhead {
+        /// The slot's confirmed_flush_lsn.
+        slot: Lsn,
+        /// The recorded flush LSN.
+        recorded: Lsn,
+        /// The record's timeline.
+        recorded_timeline: u32,
+        /// The server's timeline.
+        timeline: u32,
+        /// Where the server's timeline began.
+        switch_point: Lsn,
+    },
     /// A gap: refuse unless `--accept-gap`.
     Gap(Gap),
 }
 
-/// Compares the slot's `confirmed_flush_lsn` and the server's identity with the record.
+/// Compares the slot and the server's history with the record (the module doc has the
+/// table; the proof of the promoted server's row is in docs/src/operators/postgres-failover.md).
 pub fn assess(
     slot: &str,
-    slot_confirmed: Lsn,
-    identity: &SystemIdentity,
+    at: &SlotAt,
+    server: &ServerHistory<'_>,
     record: Option<&Recorded>,
 ) -> Verdict {
+    let identity = server.identity;
+    let slot_confirmed = at.confirmed_flush;
+    let gap = |from: Lsn, reason: GapReason| {
+        Verdict::Gap(Gap {
+            slot: slot.to_owned(),
+            from,
+            to: slot_confirmed,
+            reason,
+        })
+    };
+    if let Some(r) = record {
+        if r.system_identifier != identity.system_id {
+            return gap(
+                r.flush_lsn,
+                GapReason::SystemChanged {
+                    recorded: r.system_identifier.clone(),
+                    now: identity.system_id.clone(),
+                },
+            );
+        }
+    }
+    // An old primary back after a failover: its own record may well match its slot, so
+    // only the highest timeline seen (the record's, this process's) tells.
+    let highest = record
+        .map(|r| r.timeline)
+        .into_iter()
+        .chain(server.highest_seen)
+        .max();
+    if let Some(highest) = highest.filter(|h| *h > identity.timeline) {
+        return gap(
+            record.map_or(slot_confirmed, |r| r.flush_lsn),
+            GapReason::TimelineBehind {
+                timeline: identity.timeline,
+                highest,
+            },
+        );
+    }
     let Some(r) = record else {
         return Verdict::Continuous;
     };
-    if r.system_identifier != identity.system_id {
-        return Verdict::Gap(Gap {
-            slot: slot.to_owned(),
-            from: r.flush_lsn,
-            to: slot_confirmed,
-            reason: GapReason::SystemChanged {
-                recorded: r.system_identifier.clone(),
-                now: identity.system_id.clone(),
-            },
-        });
-    }
     match slot_confirmed.cmp(&r.flush_lsn) {
-        std::cmp::Ordering::Greater => Verdict::Gap(Gap {
-            slot: slot.to_owned(),
-            from: r.flush_lsn,
-            to: slot_confirmed,
-            reason: GapReason::SlotRecreated,
-        }),
+        std::cmp::Ordering::Greater if identity.timeline > r.timeline => {
+            let missing = match (at.sync, server.switch_point) {
+                (SlotSync::NotSynced, _) => {
+                    "the slot is not a synchronized failover slot (failover and synced are not both true in pg_replication_slots)".to_owned()
+                }
+                (SlotSync::SyncedFailover, None) => {
+                    "the point where this server's timeline began is unknown (TIMELINE_HISTORY)".to_owned()
+                }
+                (SlotSync::SyncedFailover, Some(switch)) if slot_confirmed > switch => format!(
+                    "it lies past {switch}, where this server's timeline began, so it was not synchronized while this server was a standby"
+                ),
+                (SlotSync::SyncedFailover, Some(switch_point)) => {
+                    return Verdict::PromotedAhead {
+                        slot: slot_confirmed,
+                        recorded: r.flush_lsn,
+                        recorded_timeline: r.timeline,
+                        timeline: identity.timeline,
+                        switch_point,
+                    }
+                }
+            };
+            gap(
+                r.flush_lsn,
+                GapReason::PromotedSlotUnproven {
+                    recorded_timeline: r.timeline,
+                    timeline: identity.timeline,
+                    missing,
+                },
+            )
+        }
+        std::cmp::Ordering::Greater => gap(r.flush_lsn, GapReason::SlotRecreated),
         std::cmp::Ordering::Less => Verdict::SlotBehind {
             slot: slot_confirmed,
             recorded: r.flush_lsn,
@@ -229,6 +382,9 @@ pub struct SeenHistory {
     pub system_id: String,
     /// IDENTIFY_SYSTEM's `timeline`.
     pub timeline: u32,
+    /// The highest timeline this process streamed from on this system: a server of it on
+    /// a lower one is an old primary back after a failover ([`GapReason::TimelineBehind`]).
+    pub highest_timeline: u32,
     /// The highest flush LSN this process recorded in `outbox.stream_state`.
     pub recorded: Lsn,
 }
@@ -513,9 +669,10 @@ pub async fn start_hint(
     })
 }
 
-/// The session start, once the slot is held: applies the gap rule to the slot's
-/// `confirmed_flush_lsn` (`slot_lsn`), records the session (`start` is the first flush
-/// LSN to be reported) and starts the [`recorder`] on `client`.
+/// The session start, once the slot is held: applies the gap rule ([`assess`]) to the
+/// slot (`at`) and the server's history, records the session (`start` is the first flush
+/// LSN to be reported; on a promoted server whose synchronized slot is ahead of the record,
+/// the slot's position) and starts the [`recorder`] on `client`.
 ///
 /// # Errors
 /// [`Error::Gap`] when the slot's history has a gap and `config.postgres.accept_gap` is off;
@@ -523,8 +680,8 @@ pub async fn start_hint(
 pub async fn session_start(
     client: Client,
     config: &crate::config::RunConfig,
-    identity: &SystemIdentity,
-    slot_lsn: Lsn,
+    server: &ServerHistory<'_>,
+    at: &SlotAt,
     start: Lsn,
 ) -> Result<(FlushGate, RecordedHandle), Error> {
     let slot = config.postgres.slot.as_str();
@@ -536,7 +693,7 @@ pub async fn session_start(
         .map_err(|e| Error::sql("setting synchronous_commit for outbox.stream_state", e))?;
     let record = load(&client, schema, slot).await?;
     let mut accepted = None;
-    match assess(slot, slot_lsn, identity, record.as_ref()) {
+    match assess(slot, at, server, record.as_ref()) {
         Verdict::Continuous => {}
         Verdict::SlotBehind { slot: at, recorded } if start < recorded => {
             tracing::warn!(
@@ -547,6 +704,23 @@ pub async fn session_start(
             );
         }
         Verdict::SlotBehind { .. } => {}
+        Verdict::PromotedAhead {
+            slot: at,
+            recorded,
+            recorded_timeline,
+            timeline,
+            switch_point,
+        } => {
+            tracing::info!(
+                slot,
+                slot_confirmed_flush_lsn = %at,
+                recorded_flush_lsn = %recorded,
+                recorded_timeline,
+                timeline,
+                switch_point = %switch_point,
+                "this server was promoted and its synchronized failover slot begins after the flush LSN recorded here (the record's last write was in WAL the standby never received): the slot holds a position pgoutbox reported, so nothing was lost; going on from the slot and recording it"
+            );
+        }
         Verdict::Gap(gap) if !config.postgres.accept_gap => return Err(Error::Gap(gap)),
         Verdict::Gap(gap) => {
             tracing::error!(
@@ -559,8 +733,39 @@ pub async fn session_start(
             accepted = Some(gap);
         }
     }
-    record_start(&client, schema, slot, identity, start, accepted.as_ref()).await?;
+    record_start(
+        &client,
+        schema,
+        slot,
+        server.identity,
+        start,
+        accepted.as_ref(),
+    )
+    .await?;
     Ok(recorder(client, schema.clone(), slot.to_owned(), start))
+}
+
+/// Whether `slot` is a synchronized failover slot (`failover` and `synced` true in
+/// `pg_replication_slots`; both columns are PostgreSQL 17's, read through `to_jsonb` so that
+/// an older server answers [`SlotSync::NotSynced`]).
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn slot_sync(client: &Client, slot: &str) -> Result<SlotSync, Error> {
+    let synced: Option<bool> = client
+        .query_opt(
+            "SELECT coalesce((to_jsonb(s) ->> 'failover')::bool AND (to_jsonb(s) ->> 'synced')::bool, false)
+             FROM pg_replication_slots s WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| Error::sql("reading the slot's failover and synced flags", e))?
+        .map(|r| r.get(0));
+    Ok(if synced == Some(true) {
+        SlotSync::SyncedFailover
+    } else {
+        SlotSync::NotSynced
+    })
 }
 
 /// A gap `status` sees before `run` does, for its report.
@@ -570,15 +775,19 @@ pub struct GapReport {
     pub from_lsn: String,
     /// Where the slot begins now, `X/Y`.
     pub to_lsn: String,
-    /// `slot_recreated` or `system_changed`.
+    /// [`GapReason::name`]: `slot_recreated`, `system_changed`, `promoted_slot_unproven`
+    /// or `timeline_behind`.
     pub reason: String,
     /// The whole explanation, as `run`'s refusal words it.
     pub message: String,
 }
 
 /// For `status`: the record of `slot` and the gap `run` would refuse, from the slot's
-/// `confirmed_flush_lsn` and `pg_control_system()` (the system identifier check is skipped
-/// when that function may not be called).
+/// `confirmed_flush_lsn` and flags, `pg_control_system()` (the system identifier check is
+/// skipped when that function may not be called) and the timeline of the current WAL file
+/// (the record's on a standby). A SQL session cannot run `TIMELINE_HISTORY`, so a
+/// synchronized failover slot ahead of the record on a promoted server is taken to lie
+/// before the switch point: `run` checks that too, and refuses in the rare case it does not.
 ///
 /// # Errors
 /// [`Error::Sql`] when the record cannot be read.
@@ -599,22 +808,46 @@ pub async fn inspect(
         .await
         .map(|r| r.get::<_, String>(0))
         .unwrap_or_else(|_| record.system_identifier.clone());
+    // The first 8 hex digits of a WAL file's name are its timeline.
+    let timeline = client
+        .query_one(
+            "SELECT CASE WHEN pg_is_in_recovery() THEN NULL
+                    ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END",
+            &[],
+        )
+        .await
+        .ok()
+        .and_then(|r| r.get::<_, Option<i32>>(0))
+        .and_then(|t| u32::try_from(t).ok())
+        .unwrap_or(record.timeline);
     let identity = SystemIdentity {
         system_id,
-        timeline: record.timeline,
+        timeline,
         xlogpos: Lsn::ZERO,
         dbname: None,
     };
+    let sync = slot_sync(client, slot).await.unwrap_or(SlotSync::NotSynced);
     let gap = confirmed_flush_lsn
         .and_then(|c| c.parse::<Lsn>().ok())
-        .and_then(|at| match assess(slot, at, &identity, Some(&record)) {
-            Verdict::Gap(g) => Some(GapReport {
-                from_lsn: g.from.to_string(),
-                to_lsn: g.to.to_string(),
-                reason: g.reason.name().to_owned(),
-                message: g.to_string(),
-            }),
-            _ => None,
+        .and_then(|confirmed_flush| {
+            let at = SlotAt {
+                confirmed_flush,
+                sync,
+            };
+            let server = ServerHistory {
+                identity: &identity,
+                switch_point: Some(confirmed_flush),
+                highest_seen: None,
+            };
+            match assess(slot, &at, &server, Some(&record)) {
+                Verdict::Gap(g) => Some(GapReport {
+                    from_lsn: g.from.to_string(),
+                    to_lsn: g.to.to_string(),
+                    reason: g.reason.name().to_owned(),
+                    message: g.to_string(),
+                }),
+                _ => None,
+            }
         });
     Ok((Some(record), gap))
 }
@@ -814,44 +1047,91 @@ mod tests {
     }
 
     fn record(system: &str, flush: u64) -> Recorded {
+        record_on(system, 1, flush)
+    }
+
+    fn record_on(system: &str, timeline: u32, flush: u64) -> Recorded {
         Recorded {
             slot: "s".into(),
             system_identifier: system.into(),
-            timeline: 1,
+            timeline,
             flush_lsn: Lsn(flush),
             updated_at: String::new(),
             accepted_gaps: vec![],
         }
     }
 
+    fn plain(lsn: u64) -> SlotAt {
+        SlotAt {
+            confirmed_flush: Lsn(lsn),
+            sync: SlotSync::NotSynced,
+        }
+    }
+
+    fn synced(lsn: u64) -> SlotAt {
+        SlotAt {
+            confirmed_flush: Lsn(lsn),
+            sync: SlotSync::SyncedFailover,
+        }
+    }
+
+    /// The server as `run` sees it: no switch point on timeline 1, else `switch`.
+    fn server(identity: &SystemIdentity, switch: Option<u64>) -> ServerHistory<'_> {
+        ServerHistory {
+            identity,
+            switch_point: switch.map(Lsn),
+            highest_seen: None,
+        }
+    }
+
+    fn judge(at: SlotAt, identity: SystemIdentity, record: Option<&Recorded>) -> Verdict {
+        let switch = (identity.timeline > 1).then_some(0x1000);
+        assess("s", &at, &server(&identity, switch), record)
+    }
+
+    fn gap_reason(v: &Verdict) -> &GapReason {
+        match v {
+            Verdict::Gap(g) => &g.reason,
+            other => panic!("not a gap: {other:?}"),
+        }
+    }
+
     #[test]
     fn a_slot_ahead_of_the_record_is_a_gap_naming_both_lsns() {
-        let v = assess(
-            "s",
-            Lsn(0x200),
-            &identity("7", 1, 0x300),
+        let v = judge(
+            plain(0x200),
+            identity("7", 1, 0x300),
             Some(&record("7", 0x100)),
         );
         let Verdict::Gap(gap) = v else {
             panic!("{v:?}")
         };
         assert_eq!((gap.from, gap.to), (Lsn(0x100), Lsn(0x200)));
+        assert_eq!(gap.reason, GapReason::SlotRecreated);
         let text = gap.to_string();
         assert!(text.contains("between 0/100 and 0/200"), "{text}");
+        // On the same timeline even a synchronized failover slot ahead is a gap: the slot
+        // on a primary moves only by pgoutbox's reports, which never pass the record.
         assert_eq!(
-            assess(
-                "s",
-                Lsn(0x100),
-                &identity("7", 2, 0x300),
+            gap_reason(&judge(
+                synced(0x200),
+                identity("7", 1, 0x300),
+                Some(&record("7", 0x100))
+            )),
+            &GapReason::SlotRecreated
+        );
+        assert_eq!(
+            judge(
+                plain(0x100),
+                identity("7", 2, 0x300),
                 Some(&record("7", 0x100))
             ),
             Verdict::Continuous
         );
         assert_eq!(
-            assess(
-                "s",
-                Lsn(0x80),
-                &identity("7", 1, 0x300),
+            judge(
+                plain(0x80),
+                identity("7", 1, 0x300),
                 Some(&record("7", 0x100))
             ),
             Verdict::SlotBehind {
@@ -860,19 +1140,188 @@ mod tests {
             }
         );
         assert_eq!(
-            assess("s", Lsn(0x80), &identity("7", 1, 0x300), None),
+            judge(plain(0x80), identity("7", 1, 0x300), None),
             Verdict::Continuous
         );
-        let v = assess(
-            "s",
-            Lsn(0x80),
-            &identity("8", 1, 0x300),
+        let v = judge(
+            plain(0x80),
+            identity("8", 1, 0x300),
             Some(&record("7", 0x100)),
         );
         assert!(
-            matches!(&v, Verdict::Gap(g) if matches!(g.reason, GapReason::SystemChanged { .. })),
+            matches!(gap_reason(&v), GapReason::SystemChanged { .. }),
             "{v:?}"
         );
+    }
+
+    #[test]
+    fn a_promoted_server_whose_synced_slot_is_behind_the_record_replays() {
+        // Synced or not, a slot behind the record on a higher timeline re-sends: duplicates.
+        for at in [synced(0x80), plain(0x80)] {
+            assert_eq!(
+                judge(at, identity("7", 2, 0x2000), Some(&record("7", 0x100))),
+                Verdict::SlotBehind {
+                    slot: Lsn(0x80),
+                    recorded: Lsn(0x100)
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn a_promoted_server_whose_synced_slot_is_ahead_of_the_record_goes_on() {
+        let id = identity("7", 2, 0x2000);
+        let v = assess(
+            "s",
+            &synced(0x800),
+            &server(&id, Some(0x1000)),
+            Some(&record("7", 0x100)),
+        );
+        assert_eq!(
+            v,
+            Verdict::PromotedAhead {
+                slot: Lsn(0x800),
+                recorded: Lsn(0x100),
+                recorded_timeline: 1,
+                timeline: 2,
+                switch_point: Lsn(0x1000),
+            }
+        );
+        // Exactly at the switch point is still the shared history.
+        assert!(matches!(
+            assess(
+                "s",
+                &synced(0x1000),
+                &server(&id, Some(0x1000)),
+                Some(&record("7", 0x100))
+            ),
+            Verdict::PromotedAhead { .. }
+        ));
+        // Several promotions since the record (timeline 1 to 4): the same proof.
+        let id4 = identity("7", 4, 0x9000);
+        assert!(matches!(
+            assess(
+                "s",
+                &synced(0x800),
+                &server(&id4, Some(0x5000)),
+                Some(&record("7", 0x100))
+            ),
+            Verdict::PromotedAhead { timeline: 4, .. }
+        ));
+    }
+
+    #[test]
+    fn a_promoted_server_whose_slot_ahead_is_not_provably_ours_is_a_gap() {
+        let id = identity("7", 2, 0x2000);
+        let rec = record("7", 0x100);
+        // An ordinary slot (or a failover slot created on the new primary).
+        let v = assess("s", &plain(0x800), &server(&id, Some(0x1000)), Some(&rec));
+        let GapReason::PromotedSlotUnproven {
+            recorded_timeline,
+            timeline,
+            missing,
+        } = gap_reason(&v)
+        else {
+            panic!("{v:?}")
+        };
+        assert_eq!((*recorded_timeline, *timeline), (1, 2));
+        assert!(
+            missing.contains("not a synchronized failover slot"),
+            "{missing}"
+        );
+        let text = v_text(&v);
+        assert!(text.contains("between 0/100 and 0/800"), "{text}");
+        assert!(
+            text.contains("timeline 1 in outbox.stream_state, 2 now"),
+            "{text}"
+        );
+        // Past the switch point: not synchronized while the server was a standby.
+        let v = assess("s", &synced(0x1001), &server(&id, Some(0x1000)), Some(&rec));
+        assert!(v_text(&v).contains("lies past 0/1000"), "{v:?}");
+        // No switch point known.
+        let v = assess("s", &synced(0x800), &server(&id, None), Some(&rec));
+        assert!(v_text(&v).contains("unknown"), "{v:?}");
+    }
+
+    fn v_text(v: &Verdict) -> String {
+        match v {
+            Verdict::Gap(g) => g.to_string(),
+            other => panic!("not a gap: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_server_on_a_lower_timeline_than_seen_is_an_old_primary_and_a_gap() {
+        // The record was written on timeline 3; this server is on 2.
+        let id = identity("7", 2, 0x2000);
+        let v = assess(
+            "s",
+            &plain(0x100),
+            &server(&id, Some(0x1000)),
+            Some(&record_on("7", 3, 0x100)),
+        );
+        assert_eq!(
+            gap_reason(&v),
+            &GapReason::TimelineBehind {
+                timeline: 2,
+                highest: 3
+            }
+        );
+        let text = v_text(&v);
+        assert!(text.contains("old primary"), "{text}");
+        assert!(text.contains("rebuild this server as a standby"), "{text}");
+        // Its own record agrees with it, but this process streamed from timeline 3: the old
+        // primary came back after a failover this process followed.
+        let old = identity("7", 1, 0x2000);
+        let v = assess(
+            "s",
+            &plain(0x500),
+            &ServerHistory {
+                identity: &old,
+                switch_point: None,
+                highest_seen: Some(3),
+            },
+            Some(&record_on("7", 1, 0x500)),
+        );
+        assert_eq!(
+            gap_reason(&v),
+            &GapReason::TimelineBehind {
+                timeline: 1,
+                highest: 3
+            }
+        );
+        // Even with no record at all.
+        let v = assess(
+            "s",
+            &plain(0x500),
+            &ServerHistory {
+                identity: &old,
+                switch_point: None,
+                highest_seen: Some(2),
+            },
+            None,
+        );
+        assert!(matches!(gap_reason(&v), GapReason::TimelineBehind { .. }));
+        // The same or a higher timeline than seen is fine.
+        let v = assess(
+            "s",
+            &plain(0x500),
+            &ServerHistory {
+                identity: &identity("7", 3, 0x2000),
+                switch_point: Some(Lsn(0x1000)),
+                highest_seen: Some(3),
+            },
+            Some(&record_on("7", 3, 0x500)),
+        );
+        assert_eq!(v, Verdict::Continuous);
+        // Another system: its own gap, whatever its timeline.
+        let v = assess(
+            "s",
+            &plain(0x500),
+            &server(&identity("8", 1, 0x2000), None),
+            Some(&record_on("7", 3, 0x500)),
+        );
+        assert!(matches!(gap_reason(&v), GapReason::SystemChanged { .. }));
     }
 
     #[test]
@@ -880,6 +1329,7 @@ mod tests {
         let seen = SeenHistory {
             system_id: "7".into(),
             timeline: 1,
+            highest_timeline: 1,
             recorded: Lsn(0x500),
         };
         let same = identity("7", 1, 0x900);

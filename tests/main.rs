@@ -12,6 +12,7 @@ mod deploy_files;
 mod docs_links;
 mod end_to_end;
 mod errors;
+mod failover;
 mod faults;
 mod gaps;
 mod hardening;

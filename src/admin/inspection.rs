@@ -988,10 +988,60 @@ pub struct HealthReport {
     pub stream_state: Option<crate::stream_state::Recorded>,
     /// A gap in the slot's history that `run` would refuse to start over (null: none).
     pub gap: Option<crate::stream_state::GapReport>,
+    /// What a failover of the primary needs, as found on the primary (for a failover slot
+    /// on PostgreSQL 17+) and on the standby of `--standby-url` ([`super::failover`]).
+    pub failover: Vec<FailoverLine>,
     /// The worst of `problems` (healthy when none).
     pub severity: Severity,
     /// What is wrong, worst first.
     pub problems: Vec<Problem>,
+}
+
+/// One finding of [`super::failover`] in `status`'s report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FailoverLine {
+    /// `primary` or `standby`: where it was read.
+    pub on: &'static str,
+    /// `ok`, `warning` or `problem`.
+    pub level: &'static str,
+    /// The setting or object looked at.
+    pub subject: &'static str,
+    /// What was found, and the fix.
+    pub text: String,
+}
+
+impl HealthReport {
+    /// Adds failover findings read `on` the primary or the standby: each one not met is a
+    /// warning (a failover would lose or invent events, or `run` stalls; the lag says when
+    /// messages stop flowing), and the severity is judged again.
+    pub fn add_failover(&mut self, on: &'static str, checks: Vec<super::failover::FailoverCheck>) {
+        use super::failover::Level;
+        for c in checks {
+            let level = match c.level {
+                Level::Ok => "ok",
+                Level::Warning => "warning",
+                Level::Problem => "problem",
+            };
+            if c.level != Level::Ok {
+                self.problems.push(Problem {
+                    severity: Severity::Warning,
+                    message: format!("failover ({on}): {}: {}", c.subject, c.text),
+                });
+            }
+            self.failover.push(FailoverLine {
+                on,
+                level,
+                subject: c.subject,
+                text: c.text,
+            });
+        }
+        self.problems.sort_by_key(|p| std::cmp::Reverse(p.severity));
+        self.severity = self
+            .problems
+            .first()
+            .map(|p| p.severity)
+            .unwrap_or(Severity::Healthy);
+    }
 }
 
 /// Reads everything `status` reports and judges it: critical when the slot or the
@@ -1183,7 +1233,7 @@ pub async fn health(
         .map(|p| p.severity)
         .unwrap_or(Severity::Healthy);
     let s = status.as_ref();
-    Ok(HealthReport {
+    let mut report = HealthReport {
         schema: schema.as_str().to_owned(),
         prefix: prefix.as_str().to_owned(),
         slot: slot.to_owned(),
@@ -1209,7 +1259,20 @@ pub async fn health(
         lockdown,
         stream_state,
         gap,
+        failover: Vec::new(),
         severity,
         problems,
-    })
+    };
+    match super::failover::on_primary(client, slot).await {
+        Ok(checks) => report.add_failover("primary", checks),
+        Err(e) => report.add_failover(
+            "primary",
+            vec![super::failover::FailoverCheck {
+                level: super::failover::Level::Warning,
+                subject: "synchronized_standby_slots",
+                text: format!("cannot be read: {}", crate::report::one_line(&e)),
+            }],
+        ),
+    }
+    Ok(report)
 }

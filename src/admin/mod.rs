@@ -8,6 +8,8 @@
 //!   commands (list, requeue, purge);
 //! - [`lockdown`]: `setup --lockdown` / `--unlock` and the lockdown record;
 //! - [`journal`]: `outbox.journal`, the delivery journal (`run --journal`, `pgoutbox journal`);
+//! - [`failover`]: what a failover of the primary needs (failover slots, PostgreSQL 17+),
+//!   on the primary and on a standby (`check`, `status`, `run`'s start);
 //! - [`server`]: what the server offers (`wal_level`, `REPLICATION`, the publication);
 //! - [`retention`]: deleting expired idempotency keys, journal rows and inbox records in
 //!   small batches (`run`'s retention task, `pgoutbox maintenance`).
@@ -16,6 +18,7 @@
 //! pipeline's and `check`'s too).
 
 pub mod dead_letters;
+pub mod failover;
 pub mod inspection;
 pub mod journal;
 pub mod lockdown;

@@ -62,7 +62,7 @@ pub enum Command {
     /// Check what `run` needs (settings, both servers, slot, publication, exchange)
     /// without changing anything; exits 1 if `run` would stop, with the fix.
     #[command(after_long_help = examples::CHECK)]
-    Check(RunArgs),
+    Check(CheckArgs),
     /// Show the slot's health (lag, retained WAL, waiting messages, dead letters); exit 0
     /// healthy, 1 warning, 2 critical.
     #[command(after_long_help = examples::STATUS)]
@@ -440,12 +440,58 @@ pub const DEFAULT_WARN_LAG_BYTES: u64 = 1 << 30;
 /// server that keeps WAL for a stopped streamer.
 pub const DEFAULT_CRIT_LAG_BYTES: u64 = 8 << 30;
 
+/// `check` arguments: `run`'s, and a standby to inspect for failover.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The settings `run` would use.
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// A physical standby to inspect.
+    #[command(flatten)]
+    pub standby: StandbyUrlArgs,
+}
+
+/// `--standby-url` of `check` and `status`.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Failover")]
+pub struct StandbyUrlArgs {
+    /// A physical standby of the primary that may be promoted (PostgreSQL 17+): checks
+    /// what slot synchronization needs there (sync_replication_slots, hot_standby_feedback,
+    /// primary_slot_name, a dbname in primary_conninfo) and that the slot is synchronized,
+    /// persistent and not invalidated; each missing one with the line that fixes it.
+    #[arg(long, env = "PGOUTBOX_STANDBY_URL", hide_env_values = true)]
+    pub standby_url: Option<Secret>,
+}
+
+impl StandbyUrlArgs {
+    /// The standby's connection settings, when given.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] when the URL does not parse.
+    pub fn config(
+        &self,
+    ) -> Result<Option<crate::config::DatabaseConfig>, crate::config::ValidationError> {
+        self.standby_url
+            .as_ref()
+            .map(|url| {
+                crate::config::parse_database_url(&url.0).map_err(|mut e| {
+                    e.setting = "--standby-url";
+                    e
+                })
+            })
+            .transpose()
+    }
+}
+
 /// `status` arguments.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Database and slot.
     #[command(flatten)]
     pub db: DbArgs,
+    /// A standby to inspect for failover.
+    #[command(flatten)]
+    pub standby: StandbyUrlArgs,
     /// Publication name (a missing one is critical: `run` refuses to start).
     #[arg(long, env = "PGOUTBOX_PUBLICATION", default_value = DEFAULT_PUBLICATION)]
     pub publication: String,

@@ -223,7 +223,15 @@ mod tests {
         flags.dedup();
         assert_eq!(flags.len(), all.len());
         assert!(all.len() >= 40, "{} settings", all.len());
-        assert_eq!(settings(&["check"]), Some(all));
+        // check's are run's, and the standby it may inspect.
+        let (standby, check): (Vec<_>, Vec<_>) = settings(&["check"])
+            .unwrap()
+            .into_iter()
+            .partition(|s| s.flag == "--standby-url");
+        assert_eq!(check, all);
+        assert_eq!(standby.len(), 1);
+        assert_eq!(standby[0].config_key, None);
+        assert_eq!(standby[0].heading.as_deref(), Some("Failover"));
         assert!(settings(&["nope"]).is_none());
         let list = settings(&["dead-letters", "list"]).unwrap();
         assert!(list.iter().all(|s| s.config_key.is_none()));

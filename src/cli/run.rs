@@ -33,10 +33,11 @@ use crate::config::{
 use crate::metrics::DEFAULT_HTTP_ADDR;
 use crate::secrets::{Secret, Sources, Target};
 
-/// The long flags of `run` that a config file may not set: the file itself, and the
-/// one-off decisions (`--accept-gap`) and test hooks (`--failpoint`) that must be given
-/// each time. Every other option of [`RunArgs`] is a file key.
-pub const NOT_FILE_KEYS: &[&str] = &["config", "accept-gap", "failpoint"];
+/// The long flags of `run` (and `check`) that a config file may not set: the file itself,
+/// the one-off decisions (`--accept-gap`) and test hooks (`--failpoint`) that must be given
+/// each time, and `check`'s `--standby-url` (not a setting of `run`). Every other option of
+/// [`RunArgs`] is a file key.
+pub const NOT_FILE_KEYS: &[&str] = &["config", "accept-gap", "failpoint", "standby-url"];
 
 /// `run` arguments (and `check`'s: the same settings, inspected instead of used).
 #[derive(Debug, Clone, Args)]

@@ -366,9 +366,17 @@ impl Sessions<'_> {
                 .as_ref()
                 .is_err_and(|e| reconnect_cause(e) == "broker"),
         );
+        let highest_timeline = memory
+            .seen
+            .as_ref()
+            .filter(|seen| seen.system_id == ended.identity.system_id)
+            .map_or(ended.identity.timeline, |seen| {
+                seen.highest_timeline.max(ended.identity.timeline)
+            });
         memory.seen = Some(SeenHistory {
             system_id: ended.identity.system_id,
             timeline: ended.identity.timeline,
+            highest_timeline,
             recorded: ended.recorded.get(),
         });
         memory.resume_after(core.flushed(), core.take_delivered());

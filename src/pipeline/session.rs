@@ -165,6 +165,8 @@ struct Started {
     identity: SystemIdentity,
     /// The position asked for ([`stream_state::start_hint`]).
     hint: Lsn,
+    /// Where the server's timeline began (`TIMELINE_HISTORY`; `None` on timeline 1).
+    switch_point: Option<Lsn>,
 }
 
 /// Connects the SQL session, runs the pre-flight checks (then turns `preflight_passed`
@@ -201,15 +203,28 @@ pub(super) async fn connect(
     .await?;
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.postgres.slot).await?;
+    let at = stream_state::SlotAt {
+        confirmed_flush: slot_lsn,
+        sync: stream_state::slot_sync(&sql, &config.postgres.slot).await?,
+    };
+    let server = stream_state::ServerHistory {
+        identity: &started.identity,
+        switch_point: started.switch_point,
+        highest_seen: memory
+            .seen
+            .as_ref()
+            .filter(|seen| seen.system_id == started.identity.system_id)
+            .map(|seen| seen.highest_timeline),
+    };
     let start = slot_lsn.max(started.hint);
-    let (gate, recorded) =
-        match stream_state::session_start(sql, config, &started.identity, slot_lsn, start).await {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
-                return Err(e.into());
-            }
-        };
+    let (gate, recorded) = match stream_state::session_start(sql, config, &server, &at, start).await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
+            return Err(e.into());
+        }
+    };
     log_streaming(
         config,
         &prefix,
@@ -262,6 +277,9 @@ async fn prepare(sql: &tokio_postgres::Client, config: &RunConfig) -> Result<Mes
     // After every check that can fail: a warning never comes before the error to fix.
     for warning in warnings {
         tracing::warn!("{warning}");
+    }
+    if let Some(warning) = admin::failover::unguarded_warning(sql, &config.postgres.slot).await {
+        tracing::warn!(slot = %config.postgres.slot, "{warning}");
     }
     Ok(prefix)
 }
@@ -408,6 +426,8 @@ async fn start_stream(
             .as_deref()
             .and_then(parse_pg_duration);
         tracing::debug!(system_id = %identity.system_id, timeline = identity.timeline, xlogpos = %identity.xlogpos, "identified system");
+        // For the gap rule on a promoted server: a synchronized slot lies before it.
+        let switch_point = conn.timeline_switch_point(identity.timeline).await?;
         // Before START_REPLICATION: a resume position from another history would make the
         // server skip the new history's commits below it.
         let start = stream_state::start_hint(
@@ -430,6 +450,7 @@ async fn start_stream(
                     interval: status_interval(timeout),
                     identity,
                     hint: start,
+                    switch_point,
                 });
             }
             Err(e) if e.code() == Some(crate::replication::error::SQLSTATE_OBJECT_IN_USE) => {

@@ -86,6 +86,22 @@ pub struct SystemIdentity {
     pub dbname: Option<String>,
 }
 
+/// The lines of a timeline history file: each parent timeline and the LSN where it ended
+/// (`parentTLI<TAB>switchpoint<TAB>reason`); blank lines, `#` comments and lines that do
+/// not parse are skipped.
+pub fn timeline_history(content: &str) -> Vec<(u32, Lsn)> {
+    content
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let tli = fields.next()?.parse().ok()?;
+            let switch = fields.next()?.parse().ok()?;
+            Some((tli, switch))
+        })
+        .collect()
+}
+
 /// A replication session before `START_REPLICATION`: it can run simple-query commands.
 pub struct ReplicationConnection {
     socket: Box<dyn Socket>,
@@ -510,6 +526,34 @@ impl ReplicationConnection {
         })
     }
 
+    /// Where timeline `timeline` began: the switch point of the last line of its history
+    /// file (`TIMELINE_HISTORY`); `None` for timeline 1, which has no history.
+    ///
+    /// # Errors
+    /// As [`ReplicationConnection::simple_query`], plus [`Error::Protocol`] when the
+    /// history has no line for a timeline above 1.
+    pub async fn timeline_switch_point(&mut self, timeline: u32) -> Result<Option<Lsn>, Error> {
+        const CTX: &str = "running TIMELINE_HISTORY";
+        if timeline <= 1 {
+            return Ok(None);
+        }
+        let rows = self
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"), CTX)
+            .await?;
+        let content = rows
+            .into_iter()
+            .next()
+            .and_then(|r| r.into_iter().nth(1).flatten())
+            .unwrap_or_default();
+        timeline_history(&content)
+            .last()
+            .map(|(_, switch)| Some(*switch))
+            .ok_or_else(|| Error::Protocol {
+                context: CTX,
+                detail: format!("no switch point in the history of timeline {timeline}"),
+            })
+    }
+
     /// Reads a server setting with `SHOW name` (allowed on replication connections).
     ///
     /// # Errors
@@ -902,6 +946,16 @@ fn password_step(pw: &[u8], out: &mut BytesMut) -> Result<StartupStep, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timeline_history_gives_each_parent_and_its_switch_point() {
+        let history = "1\t0/3000148\tno recovery target specified\n\n# comment\n2\t0/5A00A0\tno recovery target specified\nnot a line\n";
+        assert_eq!(
+            timeline_history(history),
+            vec![(1, Lsn(0x300_0148)), (2, Lsn(0x5A_00A0))]
+        );
+        assert!(timeline_history("").is_empty());
+    }
 
     /// A backend message: tag, Int32 length counting itself, body.
     fn be(tag: u8, body: &[u8]) -> Vec<u8> {
