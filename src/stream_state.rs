@@ -211,11 +211,20 @@ impl std::fmt::Display for Gap {
                 self.slot
             ),
         };
-        write!(
-            f,
-            "{why}: outbox messages committed between {} and {} may never have been delivered",
-            self.from, self.to
-        )
+        match &self.reason {
+            // Nothing is missing there: what the old primary committed after the switch
+            // point would be published although the current primary never had it.
+            GapReason::TimelineBehind { .. } => write!(
+                f,
+                "{why}: events streamed from this server from {} on may contradict the current primary's database (phantom events)",
+                self.from
+            ),
+            _ => write!(
+                f,
+                "{why}: outbox messages committed between {} and {} may never have been delivered",
+                self.from, self.to
+            ),
+        }
     }
 }
 
@@ -1270,6 +1279,10 @@ mod tests {
         let text = v_text(&v);
         assert!(text.contains("old primary"), "{text}");
         assert!(text.contains("rebuild this server as a standby"), "{text}");
+        assert!(
+            text.contains("phantom events") && !text.contains("never have been delivered"),
+            "{text}"
+        );
         // Its own record agrees with it, but this process streamed from timeline 3: the old
         // primary came back after a failover this process followed.
         let old = identity("7", 1, 0x2000);
