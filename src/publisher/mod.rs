@@ -398,39 +398,8 @@ impl<T> Publisher<T> {
         let _ = self.socket.flush().await;
         // Whatever arrives now (late acks, returns) is skipped: anything unsettled stays
         // unacknowledged and is sent again by the next session. The close ends at the
-        // broker's `connection.close-ok`: the peer that sent `close` closes the socket then
-        // (AMQP 0-9-1, 4.2.3), RabbitMQ does not, and waiting for its EOF cost the caller's
-        // whole bound at every shutdown (issue 21 item 14: 2 s).
-        let mut buf = vec![0u8; 4096];
-        let mut filled = 0;
-        loop {
-            match wire::frame_len(&buf[..filled], self.frame_max) {
-                Ok(Some(len)) => {
-                    let frame = wire::decode(&buf[..len]);
-                    buf.copy_within(len..filled, 0);
-                    filled -= len;
-                    if matches!(
-                        frame,
-                        Ok(AMQPFrame::Method(
-                            0,
-                            AMQPClass::Connection(conn::AMQPMethod::CloseOk(_))
-                        ))
-                    ) {
-                        return;
-                    }
-                    continue;
-                }
-                Ok(None) => {}
-                Err(_) => return,
-            }
-            if filled == buf.len() {
-                buf.resize(buf.len() * 2, 0);
-            }
-            match tokio::io::AsyncReadExt::read(&mut self.socket, &mut buf[filled..]).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => filled += n,
-            }
-        }
+        // broker's `connection.close-ok`, not at its end of stream (issue 21 item 14).
+        connection::read_until_close_ok(&mut self.socket, Vec::new(), self.frame_max).await;
     }
 
     /// [`Publisher::recv_outcomes`] as a poll function (what [`AmqpSink`] drives).

@@ -750,6 +750,42 @@ async fn close_ends_at_close_ok_while_the_broker_keeps_the_socket_open() {
     assert_no_violations(&fake);
 }
 
+/// The same for a connection opened by `connection::open` alone (what `pgoutbox check` does
+/// to check the exchange): its `close` ends at the broker's `close-ok`. It waited for the end
+/// of the stream, and every `check` against RabbitMQ took its whole 10 s bound.
+#[tokio::test]
+async fn an_opened_connection_closes_at_close_ok_while_the_broker_keeps_the_socket_open() {
+    let fake = FakeBroker::start(FakeConfig {
+        keep_socket_after_close_ok: true,
+        ..FakeConfig::default()
+    })
+    .await;
+    let endpoint = pgoutbox::publisher::socket::Endpoint::parse(&fake.url()).expect("url");
+    let opened = tokio::time::timeout(
+        scaled(WAIT),
+        pgoutbox::publisher::connection::open(
+            &endpoint,
+            "pgoutbox_wire",
+            pgoutbox::publisher::connection::Declare::Passive,
+            "pgoutbox check",
+        ),
+    )
+    .await
+    .expect("open timed out")
+    .expect("open");
+    let closed = tokio::time::timeout(scaled(WAIT) * 4, opened.close()).await;
+    assert!(
+        closed.is_ok(),
+        "Opened::close still waiting for EOF {:?} after the broker's close-ok",
+        scaled(WAIT) * 4
+    );
+    fake.wait_method("connection.close", |m| {
+        matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_)))
+    })
+    .await;
+    assert_no_violations(&fake);
+}
+
 /// `channel.close` 406 with four publishes out, #1 acked and #3 returned but not acked:
 /// #2, #3 and #4 fail with the broker's text, the publisher answers `channel.close-ok`, and
 /// later calls return `Error::Lost`.
