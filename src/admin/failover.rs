@@ -3,7 +3,9 @@
 //!
 //! On the primary: a failover slot with `synchronized_standby_slots` empty lets the walsender
 //! send pgoutbox transactions a standby has not received; published, then lost with the
-//! primary, they are phantom events (docs/src/operators/postgres-failover.md). And each
+//! primary, they are phantom events (docs/src/operators/postgres-failover.md). That is a
+//! problem once a standby exists (a physical slot, or a walsender serving no logical slot);
+//! on a server with none it is only said, with the fix to apply before adding one. And each
 //! physical slot listed there must exist and be streamed from, or logical decoding waits for
 //! it (`run` stalls). On a standby: `sync_replication_slots`, `hot_standby_feedback`,
 //! `primary_slot_name`, a `dbname` in `primary_conninfo`, and our slot synchronized, no longer
@@ -72,6 +74,13 @@ pub async fn on_primary(client: &Client, slot: &str) -> Result<Vec<FailoverCheck
         return Ok(Vec::new());
     }
     let names = standby_slot_names(guard.as_deref().unwrap_or(""));
+    if names.is_empty() && !has_standby(client).await? {
+        return Ok(vec![found(
+            Level::Ok,
+            "synchronized_standby_slots",
+            format!("empty, and no standby streams from this server or holds a physical slot on it: nothing can be promoted in its place yet; before one can be, {GUARD_FIX}"),
+        )]);
+    }
     if names.is_empty() {
         return Ok(vec![found(
             Level::Problem,
@@ -112,6 +121,28 @@ pub async fn on_primary(client: &Client, slot: &str) -> Result<Vec<FailoverCheck
         });
     }
     Ok(out)
+}
+
+/// Whether a standby may be promoted in this server's place: a physical replication slot
+/// exists, or a walsender serves something other than a logical slot (a standby without a
+/// slot, a base backup). Without one there is nothing to fail over to, and an empty
+/// `synchronized_standby_slots` cannot yet cause a phantom event.
+///
+/// # Errors
+/// [`Error::Sql`].
+async fn has_standby(client: &Client) -> Result<bool, Error> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_type = 'physical')
+                 OR EXISTS (SELECT FROM pg_stat_replication r
+                            WHERE NOT EXISTS (SELECT FROM pg_replication_slots s
+                                              WHERE s.slot_type = 'logical'
+                                                AND s.active_pid = r.pid))",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql("looking for standbys", e))?;
+    Ok(row.get(0))
 }
 
 /// The names in a `synchronized_standby_slots` value (comma separated, maybe quoted).

@@ -742,8 +742,20 @@ async fn check_and_status_name_what_a_failover_needs() {
         node.psql("postgres", "SELECT pg_reload_conf()");
     };
 
-    // A failover slot with synchronized_standby_slots empty: check fails naming it, run warns.
+    // A failover slot with synchronized_standby_slots empty on a server with no standby
+    // (no physical slot, no physical walsender): nothing can be promoted, check passes and
+    // says what to set before a standby is added (setup makes failover slots by default on
+    // 17+, so a lone server must not fail check for it; it did).
     reload(&a, "ALTER SYSTEM SET synchronized_standby_slots = ''");
+    let (ok, out) = check(None);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("ok      synchronized_standby_slots:")
+            && out.contains("no standby streams from this server"),
+        "{out}"
+    );
+    // With a standby's physical slot: check fails naming it, run warns.
+    ensure_standby_slot(&a);
     let (ok, out) = check(None);
     assert!(!ok, "{out}");
     assert!(
@@ -768,6 +780,10 @@ async fn check_and_status_name_what_a_failover_needs() {
 
     step("run warned");
     // Listed, but the physical slot is missing: run would stall.
+    a.psql(
+        "postgres",
+        &format!("SELECT pg_drop_replication_slot('{STANDBY_SLOT}')"),
+    );
     reload(&a, "ALTER SYSTEM RESET synchronized_standby_slots");
     let (ok, out) = check(None);
     assert!(!ok, "{out}");
