@@ -50,7 +50,9 @@ fn main() -> ExitCode {
     // The commands that only print what this binary knows: no tracing, no runtime.
     let command = match cli.command {
         Command::Completions(args) => {
-            pgoutbox::cli::docs::completions(args.shell, &mut std::io::stdout());
+            // A reader that has gone (`| head -1`) is no error of ours: exit 0 quietly, as
+            // the other printing commands do.
+            let _ = pgoutbox::cli::docs::completions(args.shell, &mut std::io::stdout());
             return ExitCode::SUCCESS;
         }
         Command::Docs(cmd) => return docs(cmd),

@@ -684,8 +684,18 @@ pub fn write_man_pages(dir: &Path) -> io::Result<Vec<PathBuf>> {
 }
 
 /// Writes the completion script for `shell` to `out`.
-pub fn completions(shell: clap_complete::Shell, out: &mut dyn io::Write) {
-    clap_complete::generate(shell, &mut Cli::command(), "pgoutbox", out);
+///
+/// The script is generated into memory first and written in one `write_all`:
+/// clap_complete's generators panic on a write error (`pgoutbox completions zsh | head -1`
+/// exited 101 on the closed pipe), our write does not.
+///
+/// # Errors
+/// The I/O error of the write (a closed pipe: the caller drops it).
+pub fn completions(shell: clap_complete::Shell, out: &mut dyn io::Write) -> io::Result<()> {
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "pgoutbox", &mut script);
+    out.write_all(&script)?;
+    out.flush()
 }
 
 #[cfg(test)]
