@@ -334,11 +334,35 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
     )
     .await
     {
-        Ok(prefix) => out.push(finding(
-            Severity::Ok,
-            "outbox",
-            format!("schema {}, prefix {prefix}", config.postgres.schema),
-        )),
+        Ok(prefix) => match admin::outbox_installed(&client, &config.postgres.schema).await {
+            Ok(true) => out.push(finding(
+                Severity::Ok,
+                "outbox",
+                format!("schema {}, prefix {prefix}", config.postgres.schema),
+            )),
+            Ok(false) => out.push(finding(
+                Severity::Problem,
+                "outbox",
+                format!(
+                    "schema {schema} holds no pgoutbox outbox ({} or {} is missing): setup has not run in this database; run `pgoutbox setup --slot {slot} --publication {publication}{}` first, or fix --database-url{}",
+                    config.postgres.schema.qualify("emit"),
+                    config.postgres.schema.qualify("dead_letter"),
+                    if config.postgres.schema.is_default() {
+                        String::new()
+                    } else {
+                        format!(" --schema {}", config.postgres.schema)
+                    },
+                    if config.postgres.schema.is_default() {
+                        ""
+                    } else {
+                        " or --schema"
+                    },
+                    schema = config.postgres.schema,
+                    publication = config.postgres.publication,
+                ),
+            )),
+            Err(e) => out.push(finding(Severity::Problem, "outbox", report(&e))),
+        },
         Err(e) => out.push(finding(Severity::Problem, "outbox", report(&e))),
     }
     precondition(

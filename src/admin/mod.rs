@@ -39,8 +39,8 @@ pub use inspection::{
 };
 pub use lockdown::{lock, lockdown_state, require_default_schema, unlock, LockdownState};
 pub use provisioning::{
-    create_roles, outboxes, resolve_prefix, setup, stored_prefix, teardown, Force, RolesReport,
-    SetupReport, TeardownReport, DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
+    create_roles, outbox_installed, outboxes, resolve_prefix, setup, stored_prefix, teardown,
+    Force, RolesReport, SetupReport, TeardownReport, DEFAULT_PRODUCER_ROLE, DEFAULT_STREAMER_ROLE,
 };
 pub use server::{check_replication_role, check_wal_level, publication_exists};
 

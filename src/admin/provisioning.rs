@@ -90,6 +90,27 @@ pub async fn resolve_prefix(
     }
 }
 
+/// Whether `setup` installed the outbox in `schema`: its producer helper `emit` and its
+/// `dead_letter` table both exist (`check` reported an outbox before `setup` as ok).
+///
+/// # Errors
+/// [`Error::Sql`] when the catalogs cannot be read.
+pub async fn outbox_installed(client: &Client, schema: &SchemaName) -> Result<bool, Error> {
+    Ok(client
+        .query_one(
+            &*schema.rewrite(
+                "SELECT to_regclass('outbox.dead_letter') IS NOT NULL
+                    AND EXISTS (SELECT 1 FROM pg_catalog.pg_proc
+                                 WHERE pronamespace = to_regnamespace('outbox')
+                                   AND proname = 'emit')",
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| Error::sql(format!("looking up the outbox in schema {schema}"), e))?
+        .get(0))
+}
+
 /// Every outbox of this database and its prefix: the schemas holding a `dead_letter` table
 /// and a `settings` table with a `message_prefix`, and schema `outbox` with `dead_letter`
 /// but no `settings` (set up by an older pgoutbox: prefix `pgoutbox`). Schemas this role

@@ -286,3 +286,34 @@ async fn check_names_the_fix_for_a_role_without_replication() {
         "{all}"
     );
 }
+
+/// Issue 32, item 8: before `setup`, check printed `ok outbox` for a schema that does not
+/// exist. The outbox line is a problem naming the missing schema and `setup`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_before_setup_says_the_outbox_is_missing() {
+    let pg = Postgres::shared();
+    let db = pg.create_database("cfg_no_setup").await;
+    let url = pg.url(&db);
+    let amqp = RabbitMq::shared().url();
+    for schema in [None, Some("billing")] {
+        let mut args = vec!["check", "--database-url", &url, "--amqp-url", &amqp];
+        if let Some(s) = schema {
+            args.extend(["--schema", s]);
+        }
+        let out = pgoutbox_env(&args, &[]);
+        let all = text(&out);
+        println!("{all}");
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        let outbox: Vec<&str> = all.lines().filter(|l| l.contains("outbox:")).collect();
+        assert!(
+            outbox.iter().all(|l| !l.trim_start().starts_with("ok")),
+            "an outbox that does not exist is not ok:\n{all}"
+        );
+        assert!(
+            outbox
+                .iter()
+                .any(|l| l.contains("PROBLEM outbox:") && l.contains("pgoutbox setup")),
+            "the problem names setup:\n{all}"
+        );
+    }
+}
