@@ -86,7 +86,7 @@ impl Counters {
         );
         registry.register(
             total(RECONNECTS_TOTAL),
-            "Sessions ended by a retryable failure, by cause",
+            "Retryable failures the process reconnected after, by cause: a session that ended or a connection attempt that failed (each retry counts)",
             self.reconnects.clone(),
         );
         registry.register(

@@ -114,8 +114,11 @@ pub const OLDEST_UNCONFIRMED_AGE_SECONDS: &str = "pgoutbox_oldest_unconfirmed_ag
 /// confirm as routed), in seconds.
 pub const CONFIRM_LATENCY_SECONDS: &str = "pgoutbox_confirm_latency_seconds";
 
-/// Counter: sessions ended by a retryable failure, label `cause` (`broker`, `postgres`,
-/// `slot_busy`: one per standby poll that found the slot held by another process).
+/// Counter: retryable failures followed by a reconnect, label `cause` (`broker`,
+/// `postgres`, `slot_busy`: one per standby poll that found the slot held by another
+/// process). A session that ended counts once, and so does each connection attempt that
+/// failed before a session started (a broker down for a minute counts every retry), so it
+/// is no count of sessions: [`SESSIONS_STARTED_TOTAL`] is.
 pub const RECONNECTS_TOTAL: &str = "pgoutbox_reconnects_total";
 
 /// Counter: rows written to `outbox.journal` (`run --journal`).
