@@ -36,6 +36,7 @@ use crate::lsn::Lsn;
 use crate::outbox_schema::MessagePrefix;
 use crate::pgoutput::Message;
 use crate::routing::{Exchange, Refusal, Router, REASON_REFUSED};
+use crate::sink::SinkFailure;
 
 /// The broker's message body size limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,20 +48,23 @@ pub(super) struct BrokerLimit {
 }
 
 impl BrokerLimit {
-    /// The broker's size limit, when `error` is RabbitMQ's channel close for an oversized
-    /// message: 406 PRECONDITION_FAILED, "message size N is larger than configured max size
-    /// M".
-    pub fn from_close(error: &str) -> Option<BrokerLimit> {
+    /// The broker's size limit, when `failure` is RabbitMQ's close of the publishing
+    /// channel for an oversized message: 406 PRECONDITION_FAILED, "message size N is larger
+    /// than configured max size M" (on whichever partition).
+    pub fn from_close(failure: &SinkFailure) -> Option<BrokerLimit> {
         const MARK: &str = "larger than configured max size ";
-        let at = error.find(MARK)? + MARK.len();
-        let digits: String = error[at..]
+        let (406, text) = failure.channel_close()? else {
+            return None;
+        };
+        let at = text.find(MARK)? + MARK.len();
+        let digits: String = text[at..]
             .chars()
             .take_while(char::is_ascii_digit)
             .collect();
         let max_bytes = digits.parse().ok()?;
         Some(BrokerLimit {
             max_bytes,
-            source: format!("learned from RabbitMQ's channel close: {}", error.trim()),
+            source: format!("learned from RabbitMQ's channel close: {failure}"),
         })
     }
 }
@@ -384,13 +388,30 @@ mod tests {
 
     #[test]
     fn learns_the_broker_limit_from_its_close_text() {
-        let text = "protocol error: AMQP soft error: PRECONDITION-FAILED: PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
-        let limit = BrokerLimit::from_close(text).unwrap();
+        use crate::sink::FailureCause;
+        let closed = |code: u16, text: &str, partition: Option<u16>| SinkFailure {
+            partition,
+            cause: FailureCause::ChannelClosed {
+                reply_code: code,
+                reply_text: text.into(),
+                class_id: 60,
+                method_id: 40,
+            },
+        };
+        let text =
+            "PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
+        let limit = BrokerLimit::from_close(&closed(406, text, None)).unwrap();
         assert_eq!(limit.max_bytes, 1_048_576);
         assert!(limit.source.contains("message size 2097152"));
-        assert_eq!(BrokerLimit::from_close("connection reset by peer"), None);
+        // A partition's close teaches the same limit (the source names the partition).
+        let limit = BrokerLimit::from_close(&closed(406, text, Some(3))).unwrap();
+        assert_eq!(limit.max_bytes, 1_048_576);
+        assert!(limit.source.contains("partition 3: "), "{}", limit.source);
+        let lost = SinkFailure::new(FailureCause::ConnectionLost(text.into()));
+        assert_eq!(BrokerLimit::from_close(&lost), None, "not a channel close");
+        assert_eq!(BrokerLimit::from_close(&closed(403, text, None)), None);
         assert_eq!(
-            BrokerLimit::from_close("larger than configured max size é"),
+            BrokerLimit::from_close(&closed(406, "larger than configured max size é", None)),
             None
         );
     }

@@ -44,7 +44,7 @@ use crate::pgoutput::{self, Begin, Commit, LogicalMessage, Message};
 use crate::replication::session::ReplicationStream;
 use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
 use crate::routing::{Exchange, Router};
-use crate::sink::{recv_settled, PartHealth, PublishOutcome, Seq, Sink, SinkError};
+use crate::sink::{recv_settled, PartHealth, PublishOutcome, Seq, Sink, SinkError, SinkFailure};
 use crate::stream_state::FlushGate;
 
 /// Frames handled per loop turn before confirms and timers get another look.
@@ -109,6 +109,8 @@ pub(super) struct Core {
     /// Publishes per sink part already counted in the per-partition metrics (this
     /// session's sink counts from 0).
     part_published: Vec<u64>,
+    /// The sink's failure that ended the session, when one did.
+    sink_failure: Option<SinkFailure>,
 }
 
 /// The loop's error for a sink that failed or refused in a way no message settles.
@@ -183,6 +185,7 @@ impl Core {
             summary,
             telemetry,
             part_published: Vec::new(),
+            sink_failure: None,
         }
     }
 
@@ -252,6 +255,12 @@ impl Core {
     /// The broker's size limit, when known (perhaps learned in this session).
     pub fn broker_limit(&self) -> Option<BrokerLimit> {
         self.admission.broker_limit().cloned()
+    }
+
+    /// The sink's failure that ended the session (`None`: it ended otherwise, or the sink
+    /// reported its loss with nothing unsettled).
+    pub fn sink_failure(&self) -> Option<&SinkFailure> {
+        self.sink_failure.as_ref()
     }
 
     /// What closes of the publishing channel taught (perhaps in this session).
@@ -606,7 +615,7 @@ impl Core {
         // that made the broker close the channel.
         let unsettled: Vec<Lsn> = batch
             .iter()
-            .filter(|(_, o)| matches!(o, PublishOutcome::Failed { .. }))
+            .filter(|(_, o)| matches!(o, PublishOutcome::Failed(_)))
             .filter_map(|(seq, _)| self.settling.record_mut(*seq).map(|m| m.lsn))
             .collect();
         for (seq, outcome) in batch {
@@ -626,20 +635,26 @@ impl Core {
     /// closed the channel over a message's size, remember its limit: the next session
     /// dead-letters what exceeds it instead of looping; over anything else, learn which
     /// message caused it from the publishes left `unsettled` ([`super::refusal`]).
-    async fn on_sink_failed(&mut self, error: String, unsettled: &[Lsn]) -> Result<(), Error> {
-        if let Some(limit) = BrokerLimit::from_close(&error) {
-            tracing::warn!(max_message_bytes = limit.max_bytes, error = %error, "RabbitMQ refused a message for its size and closed the channel; messages over its max_message_size will be dead-lettered as too_large");
+    async fn on_sink_failed(
+        &mut self,
+        failure: SinkFailure,
+        unsettled: &[Lsn],
+    ) -> Result<(), Error> {
+        if let Some(limit) = BrokerLimit::from_close(&failure) {
+            tracing::warn!(max_message_bytes = limit.max_bytes, error = %failure, "RabbitMQ refused a message for its size and closed the channel; messages over its max_message_size will be dead-lettered as too_large");
             self.admission.learn_broker_limit(limit);
         } else {
-            self.learn_refusal(&error, unsettled);
+            self.learn_refusal(&failure, unsettled);
         }
         let _ = self.send_status(StatusUpdateKind::Periodic).await;
-        Err(Error::BrokerLost(error))
+        let error = Error::BrokerLost(failure.to_string());
+        self.sink_failure = Some(failure);
+        Err(error)
     }
 
     /// A close of the publishing channel over something other than size: what it teaches
     /// the next session, logged.
-    fn learn_refusal(&mut self, error: &str, unsettled: &[Lsn]) {
+    fn learn_refusal(&mut self, error: &SinkFailure, unsettled: &[Lsn]) {
         let configured = self.config.broker.exchange.clone();
         match self
             .admission

@@ -31,7 +31,7 @@
 use std::collections::BTreeMap;
 
 use crate::lsn::Lsn;
-use crate::sink::CHANNEL_CLOSED;
+use crate::sink::SinkFailure;
 
 /// Dead-letter reason: RabbitMQ closed the publishing channel over this message (found as
 /// the only publish unsettled at the close), naming no exchange.
@@ -59,14 +59,6 @@ pub(super) struct Refusals {
     isolate_until: Option<Lsn>,
 }
 
-/// The reply code and text of a close of the publishing channel, from the sink's
-/// [`crate::sink::PublishOutcome::Failed`] text (`None` for any other failure).
-fn channel_close(error: &str) -> Option<(u16, &str)> {
-    let rest = error.strip_prefix(CHANNEL_CLOSED)?;
-    let (code, text) = rest.split_once(' ').unwrap_or((rest, ""));
-    Some((code.parse().ok()?, text))
-}
-
 /// The exchange a close text names: `... exchange 'NAME' in vhost ...`.
 fn named_exchange(text: &str) -> Option<&str> {
     const OPEN: &str = "exchange '";
@@ -76,12 +68,18 @@ fn named_exchange(text: &str) -> Option<&str> {
 }
 
 impl Refusals {
-    /// Learns from the sink's failure `error`, with the LSNs of the publishes it left
-    /// unsettled (`unsettled`) and the configured exchange (`configured`, never learned).
-    /// `None`: the failure teaches nothing (not a close of the publishing channel, one that
-    /// names the configured exchange, or no publish was unsettled).
-    pub fn learn(&mut self, error: &str, configured: &str, unsettled: &[Lsn]) -> Option<Lesson> {
-        let (code, text) = channel_close(error)?;
+    /// Learns from the sink's failure, with the LSNs of the publishes it left unsettled
+    /// (`unsettled`: on the failed connection only, whichever partition it carried) and the
+    /// configured exchange (`configured`, never learned). `None`: the failure teaches
+    /// nothing (not a close of the publishing channel, one that names the configured
+    /// exchange, or no publish was unsettled).
+    pub fn learn(
+        &mut self,
+        failure: &SinkFailure,
+        configured: &str,
+        unsettled: &[Lsn],
+    ) -> Option<Lesson> {
+        let (code, text) = failure.channel_close()?;
         // 404: the exchange is gone (deleted after it was declared); the next session
         // declares it again.
         if code == 404 {
@@ -133,8 +131,17 @@ impl Refusals {
 mod tests {
     use super::*;
 
-    fn closed(text: &str) -> String {
-        format!("{CHANNEL_CLOSED}{text}")
+    use crate::sink::FailureCause;
+
+    /// A close of the publishing channel, `text` being `CODE REPLY_TEXT`.
+    fn closed(text: &str) -> SinkFailure {
+        let (code, reply) = text.split_once(' ').unwrap();
+        SinkFailure::new(FailureCause::ChannelClosed {
+            reply_code: code.parse().unwrap(),
+            reply_text: reply.into(),
+            class_id: 60,
+            method_id: 40,
+        })
     }
 
     #[test]
@@ -155,14 +162,41 @@ mod tests {
         assert!(!r.isolating(Lsn(0)), "no isolation for a named exchange");
     }
 
+    /// Issue 31 item 1: a partition's close once reached the loop as text prefixed with
+    /// `partition i: `, which no longer started with the channel-close marker, so nothing
+    /// was learned and the session replayed the refused message forever.
+    #[test]
+    fn a_close_on_any_partition_teaches_the_same() {
+        let mut r = Refusals::default();
+        let mut write = closed("403 ACCESS_REFUSED - write access to exchange 'billing' in vhost '/' refused for user 'u'");
+        write.partition = Some(2);
+        assert_eq!(
+            r.learn(&write, "events", &[Lsn(1), Lsn(2)]),
+            Some(Lesson::Exchange("billing".into()))
+        );
+        let mut one = closed("406 PRECONDITION_FAILED - something new");
+        one.partition = Some(3);
+        assert_eq!(
+            r.learn(&one, "events", &[Lsn(8)]),
+            Some(Lesson::Culprit(Lsn(8)))
+        );
+        assert!(one
+            .to_string()
+            .starts_with("partition 3: the broker closed the channel with 406"));
+    }
+
     #[test]
     fn the_configured_exchange_and_other_failures_teach_nothing() {
         let mut r = Refusals::default();
         let own = closed("403 ACCESS_REFUSED - write access to exchange 'events' in vhost '/' refused for user 'u'");
         assert_eq!(r.learn(&own, "events", &[Lsn(1)]), None);
-        let conn = "the broker closed the connection with 320 CONNECTION_FORCED - shutdown";
-        assert_eq!(r.learn(conn, "events", &[Lsn(1)]), None);
-        assert_eq!(r.learn("missed heartbeats", "events", &[Lsn(1)]), None);
+        let conn = SinkFailure::new(FailureCause::ConnectionClosed {
+            reply_code: 320,
+            reply_text: "CONNECTION_FORCED - shutdown".into(),
+        });
+        assert_eq!(r.learn(&conn, "events", &[Lsn(1)]), None);
+        let lost = SinkFailure::new(FailureCause::ConnectionLost("missed heartbeats".into()));
+        assert_eq!(r.learn(&lost, "events", &[Lsn(1)]), None);
         let gone = closed("404 NOT_FOUND - no exchange 'billing' in vhost '/'");
         assert_eq!(r.learn(&gone, "events", &[Lsn(1)]), None);
         assert_eq!(r, Refusals::default());

@@ -41,7 +41,7 @@ use crate::lsn::Lsn;
 use crate::metrics::{LatencyBatch, Telemetry};
 use crate::outbox_schema::SchemaName;
 use crate::routing;
-use crate::sink::{PublishOutcome, Seq};
+use crate::sink::{PublishOutcome, Seq, SinkFailure};
 use crate::watermark::{AckWatermark, TxnSeq};
 
 /// Retry delay bounds for a nacked message (doubling from the minimum).
@@ -74,7 +74,7 @@ pub(super) enum Applied {
     /// the outcome of a message no longer in flight, ignored.
     Done,
     /// The sink's connection failed: the session ends.
-    Failed(String),
+    Failed(SinkFailure),
 }
 
 /// The watermark, the in-flight table, and what settles their messages.
@@ -291,7 +291,7 @@ impl Settling {
             PublishOutcome::Routed => self.routed(seq, now_us, summary)?,
             // The channel or connection failed: the outcome of every in-flight publish is
             // unknown. The loop records what is settled and reconnects.
-            PublishOutcome::Failed { error } => return Ok(Applied::Failed(error)),
+            PublishOutcome::Failed(failure) => return Ok(Applied::Failed(failure)),
             PublishOutcome::ExchangeRefused {
                 exchange,
                 reply_code,

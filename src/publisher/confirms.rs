@@ -19,6 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use super::message::MatchKey;
 use super::PublishOutcome;
 use crate::lsn::Lsn;
+use crate::sink::{FailureCause, SinkFailure};
 
 /// What a `basic.return` carried that can identify the returned message.
 #[derive(Debug, Clone, Copy, Default)]
@@ -281,15 +282,13 @@ impl<T> Confirms<T> {
     }
 
     /// The connection or channel failed: every unsettled publish becomes
-    /// [`PublishOutcome::Failed`] with `error`, in tag order.
-    pub fn fail_all(&mut self, error: &str, out: &mut Vec<(T, PublishOutcome)>) {
+    /// [`PublishOutcome::Failed`] with `cause`, in tag order.
+    pub fn fail_all(&mut self, cause: &FailureCause, out: &mut Vec<(T, PublishOutcome)>) {
         let released = self.slots.len() as u64;
         for entry in self.slots.drain(..).flatten() {
             out.push((
                 entry.tag,
-                PublishOutcome::Failed {
-                    error: error.to_owned(),
-                },
+                PublishOutcome::Failed(SinkFailure::new(cause.clone())),
             ));
         }
         self.base += released;
@@ -506,11 +505,14 @@ mod tests {
         let mut out = Vec::new();
         c.ack(2, false, &mut out).unwrap();
         out.clear();
-        c.fail_all("socket closed", &mut out);
+        c.fail_all(
+            &FailureCause::ConnectionLost("socket closed".into()),
+            &mut out,
+        );
         let tags: Vec<u32> = out.iter().map(|(t, _)| *t).collect();
         assert_eq!(tags, vec![1, 3]);
         assert!(out.iter().all(
-            |(_, o)| matches!(o, PublishOutcome::Failed { error } if error == "socket closed")
+            |(_, o)| matches!(o, PublishOutcome::Failed(f) if f.to_string() == "socket closed")
         ));
         assert_eq!(c.unsettled(), 0);
     }
@@ -644,7 +646,7 @@ mod tests {
                         }
                         Op::FailAll => {
                             let mut out = Vec::new();
-                            c.fail_all("lost", &mut out);
+                            c.fail_all(&FailureCause::ConnectionLost("lost".into()), &mut out);
                             for e in naive.entries.iter_mut() {
                                 e.3 = true;
                             }

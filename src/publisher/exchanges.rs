@@ -39,7 +39,7 @@ use amq_protocol::types::{FieldTable, ShortString};
 use super::connection::Declare;
 use super::message::{Exchange, OutboundMessage};
 use super::wire;
-use crate::sink::PublishOutcome;
+use crate::sink::{FailureCause, PublishOutcome, SinkFailure};
 
 /// The channel exchange declarations are sent on (publishing uses
 /// [`super::CHANNEL`]).
@@ -193,13 +193,11 @@ impl<T> Exchanges<T> {
     /// The connection failed: every held message is settled as failed (outcome unknown
     /// for none of them, but treated like the unconfirmed ones: published again by the
     /// next session).
-    pub fn fail_all(&mut self, error: &str, ready: &mut Vec<(T, PublishOutcome)>) {
+    pub fn fail_all(&mut self, cause: &FailureCause, ready: &mut Vec<(T, PublishOutcome)>) {
         for m in self.held.drain(..) {
             ready.push((
                 m.tag,
-                PublishOutcome::Failed {
-                    error: error.to_owned(),
-                },
+                PublishOutcome::Failed(SinkFailure::new(cause.clone())),
             ));
         }
     }
@@ -464,11 +462,14 @@ mod tests {
             "before open-ok"
         );
         let mut ready = Vec::new();
-        x.fail_all("socket closed", &mut ready);
+        x.fail_all(
+            &FailureCause::ConnectionLost("socket closed".into()),
+            &mut ready,
+        );
         assert_eq!(ready.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [1, 2]);
         assert!(ready
             .iter()
-            .all(|(_, o)| matches!(o, PublishOutcome::Failed { .. })));
+            .all(|(_, o)| matches!(o, PublishOutcome::Failed(_))));
         assert_eq!(x.held(), 0);
     }
 

@@ -17,7 +17,7 @@ use super::confirms::{ReturnedKey, Violation};
 use super::exchanges::DECLARE_CHANNEL;
 use super::{wire, Publisher, Returning, State, CHANNEL, MATCH_KEY_HEADER};
 use crate::lsn::Lsn;
-use crate::sink::CHANNEL_CLOSED;
+use crate::sink::FailureCause;
 
 impl<T> Publisher<T> {
     /// Handles every complete frame in the read buffer (until the connection fails).
@@ -28,7 +28,7 @@ impl<T> Publisher<T> {
                 Ok(Some(len)) => len,
                 Ok(None) => break,
                 Err(e) => {
-                    self.fail(e.to_string());
+                    self.fail(FailureCause::ProtocolViolation(e.to_string()));
                     break;
                 }
             };
@@ -36,7 +36,7 @@ impl<T> Publisher<T> {
             self.in_start += len;
             match frame {
                 Ok(frame) => self.handle_frame(frame),
-                Err(e) => self.fail(e.to_string()),
+                Err(e) => self.fail(FailureCause::ProtocolViolation(e.to_string())),
             }
         }
         // A frame larger than what is left of the buffer: make room for it.
@@ -67,19 +67,24 @@ impl<T> Publisher<T> {
                     CHANNEL,
                     AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
                 );
-                self.on_close(ok, "channel", close.reply_code, close.reply_text.as_str());
+                let _ = wire::encode(&mut self.out, &ok);
+                self.fail(FailureCause::ChannelClosed {
+                    reply_code: close.reply_code,
+                    reply_text: close.reply_text.as_str().to_owned(),
+                    class_id: close.class_id,
+                    method_id: close.method_id,
+                });
             }
             AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Close(close))) => {
                 let ok = AMQPFrame::Method(
                     0,
                     AMQPClass::Connection(conn::AMQPMethod::CloseOk(conn::CloseOk {})),
                 );
-                self.on_close(
-                    ok,
-                    "connection",
-                    close.reply_code,
-                    close.reply_text.as_str(),
-                );
+                let _ = wire::encode(&mut self.out, &ok);
+                self.fail(FailureCause::ConnectionClosed {
+                    reply_code: close.reply_code,
+                    reply_text: close.reply_text.as_str().to_owned(),
+                });
             }
             AMQPFrame::Method(_, AMQPClass::Connection(conn::AMQPMethod::Blocked(b))) => {
                 self.on_blocked(Some(b.reason.as_str()));
@@ -103,7 +108,7 @@ impl<T> Publisher<T> {
         self.release(&mut released);
         self.released = released;
         if let Err(e) = r {
-            self.fail(e);
+            self.fail(FailureCause::ProtocolViolation(e));
         }
     }
 
@@ -152,7 +157,9 @@ impl<T> Publisher<T> {
     /// unsettled publish it returns.
     fn on_content_header(&mut self, body_size: u64, properties: &BasicProperties) {
         let Some(returning) = self.returning.as_mut() else {
-            self.fail("RabbitMQ sent a content header that belongs to no basic.return".into());
+            self.fail(FailureCause::ProtocolViolation(
+                "RabbitMQ sent a content header that belongs to no basic.return".into(),
+            ));
             return;
         };
         let key = returned_key(properties);
@@ -186,20 +193,9 @@ impl<T> Publisher<T> {
                     self.returning = None;
                 }
             }
-            _ => self.fail("RabbitMQ sent a content body that belongs to no basic.return".into()),
-        }
-    }
-
-    /// The broker closed the `what` ("channel" or "connection"): `ok` (its close-ok) is
-    /// queued, and the connection fails.
-    fn on_close(&mut self, ok: AMQPFrame, what: &str, reply_code: u16, reply_text: &str) {
-        let _ = wire::encode(&mut self.out, &ok);
-        if what == "channel" {
-            self.fail(format!("{CHANNEL_CLOSED}{reply_code} {reply_text}"));
-        } else {
-            self.fail(format!(
-                "the broker closed the {what} with {reply_code} {reply_text}"
-            ));
+            _ => self.fail(FailureCause::ProtocolViolation(
+                "RabbitMQ sent a content body that belongs to no basic.return".into(),
+            )),
         }
     }
 
@@ -222,15 +218,16 @@ impl<T> Publisher<T> {
         self.signals.blocked.store(self.blocked, Ordering::Relaxed);
     }
 
-    /// The connection or channel failed: report every unsettled publish as failed.
-    pub(super) fn fail(&mut self, reason: String) {
+    /// The connection or channel failed: report every unsettled publish as failed. A
+    /// close's reply (queued close-ok first) or the socket's error is the cause.
+    pub(super) fn fail(&mut self, cause: FailureCause) {
         if !matches!(self.state, State::Open) {
             return;
         }
-        self.confirms.fail_all(&reason, &mut self.ready);
-        self.exchanges.fail_all(&reason, &mut self.ready);
+        self.confirms.fail_all(&cause, &mut self.ready);
+        self.exchanges.fail_all(&cause, &mut self.ready);
         self.signals.lost.store(true, Ordering::Relaxed);
-        self.state = State::Failed(reason);
+        self.state = State::Failed(cause.to_string());
     }
 
     /// The broker broke the settling rule: settle nothing more, hand out nothing more.

@@ -11,6 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
 use super::{wire, Publisher, State, KEEP_WRITE_CAPACITY, READS_PER_POLL};
+use crate::sink::FailureCause;
 
 impl<T> Publisher<T> {
     /// Writes, reads and handles frames until the socket would block both ways (wakers
@@ -59,7 +60,9 @@ impl<T> Publisher<T> {
         while self.written < self.out.len() {
             match Pin::new(&mut self.socket).poll_write(cx, &self.out[self.written..]) {
                 Poll::Ready(Ok(0)) => {
-                    self.fail("writing to RabbitMQ returned 0 bytes (socket closed)".into());
+                    self.fail(FailureCause::ConnectionLost(
+                        "writing to RabbitMQ returned 0 bytes (socket closed)".into(),
+                    ));
                     return;
                 }
                 Poll::Ready(Ok(n)) => {
@@ -68,7 +71,9 @@ impl<T> Publisher<T> {
                     self.last_write = Instant::now();
                 }
                 Poll::Ready(Err(e)) => {
-                    self.fail(format!("writing to RabbitMQ failed: {e}"));
+                    self.fail(FailureCause::ConnectionLost(format!(
+                        "writing to RabbitMQ failed: {e}"
+                    )));
                     return;
                 }
                 Poll::Pending => return,
@@ -84,7 +89,9 @@ impl<T> Publisher<T> {
         if self.unflushed {
             match Pin::new(&mut self.socket).poll_flush(cx) {
                 Poll::Ready(Ok(())) => self.unflushed = false,
-                Poll::Ready(Err(e)) => self.fail(format!("writing to RabbitMQ failed: {e}")),
+                Poll::Ready(Err(e)) => self.fail(FailureCause::ConnectionLost(format!(
+                    "writing to RabbitMQ failed: {e}"
+                ))),
                 Poll::Pending => {}
             }
         }
@@ -105,16 +112,18 @@ impl<T> Publisher<T> {
         match Pin::new(&mut self.socket).poll_read(cx, &mut rb) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Err(e)) => {
-                self.fail(format!("reading from RabbitMQ failed: {e}"));
+                self.fail(FailureCause::ConnectionLost(format!(
+                    "reading from RabbitMQ failed: {e}"
+                )));
                 Poll::Ready(false)
             }
             Poll::Ready(Ok(())) => {
                 let n = rb.filled().len();
                 if n == 0 {
                     let unsettled = self.confirms.unsettled();
-                    self.fail(format!(
+                    self.fail(FailureCause::ConnectionLost(format!(
                         "RabbitMQ closed the socket with {unsettled} publishes unconfirmed"
-                    ));
+                    )));
                     return Poll::Ready(false);
                 }
                 self.in_end += n;
@@ -135,11 +144,11 @@ impl<T> Publisher<T> {
         let now = Instant::now();
         let dead_at = self.last_read + interval * 2;
         if now >= dead_at {
-            self.fail(format!(
+            self.fail(FailureCause::ConnectionLost(format!(
                 "no frame and no heartbeat from RabbitMQ for {} s (heartbeat {} s): the broker or the network is gone",
                 (now - self.last_read).as_secs(),
                 interval.as_secs()
-            ));
+            )));
             return false;
         }
         let send_at = self.last_write + interval / 2;

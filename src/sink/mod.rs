@@ -89,7 +89,7 @@ use futures::future::BoxFuture;
 use crate::envelope::Envelope;
 use crate::lsn::Lsn;
 pub use crate::routing::Exchange;
-pub use outcome::{PublishOutcome, CHANNEL_CLOSED};
+pub use outcome::{FailureCause, PublishOutcome, SinkFailure};
 
 /// Our number for one message in flight within a session (the in-flight table's key, and
 /// the tag a sink hands back with its outcome). Handed out in WAL order, never reused in a

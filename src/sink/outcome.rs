@@ -11,10 +11,117 @@
 //! (see [`crate::publisher::MatchKey`]); see [`crate::publisher::confirms`] for the
 //! settling rule.
 
-/// How a [`PublishOutcome::Failed`] text begins when the destination closed the publishing
-/// channel over a publish (AMQP `channel.close`); the reply code and text follow
-/// (`403 ACCESS_REFUSED - ...`). The pipeline reads it to find the message that caused it.
-pub const CHANNEL_CLOSED: &str = "the broker closed the channel with ";
+/// Why a sink's connection (or its publishing channel) failed with publishes unsettled on
+/// it: the cause the loop matches to learn from a refusal, never a text it parses.
+///
+/// Source: AMQP 0-9-1 `channel.close` (section 1.5.2.5) and `connection.close` (1.4.2.8)
+/// carry a reply code, a reply text and the class and method that caused the close (0 and
+/// 0 when none did).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailureCause {
+    /// The destination closed the publishing channel over a publish: 403
+    /// ACCESS_REFUSED (an exchange the user may not write, an internal exchange), 406
+    /// PRECONDITION_FAILED (a message over `max_message_size`), 404 NOT_FOUND (an
+    /// exchange deleted after it was declared).
+    ChannelClosed {
+        /// AMQP reply code, e.g. 403.
+        reply_code: u16,
+        /// AMQP reply text, e.g. `ACCESS_REFUSED - write access to exchange 'x' ...`.
+        reply_text: String,
+        /// The class of the method that caused the close (60: `basic`), 0 when none.
+        class_id: u16,
+        /// The method that caused the close (40: `basic.publish`), 0 when none.
+        method_id: u16,
+    },
+    /// The destination closed the whole connection (320 CONNECTION_FORCED when a node
+    /// shuts down, 541 INTERNAL_ERROR, ...).
+    ConnectionClosed {
+        /// AMQP reply code, e.g. 320.
+        reply_code: u16,
+        /// AMQP reply text.
+        reply_text: String,
+    },
+    /// The socket failed or closed, or no frame arrived for two heartbeat intervals: no
+    /// reply from the destination says why.
+    ConnectionLost(String),
+    /// The destination sent what the protocol does not allow there (a frame that cannot
+    /// be decoded, a content body that belongs to no `basic.return`).
+    ProtocolViolation(String),
+}
+
+impl std::fmt::Display for FailureCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FailureCause::ChannelClosed {
+                reply_code,
+                reply_text,
+                class_id,
+                method_id,
+            } => {
+                write!(
+                    f,
+                    "the broker closed the channel with {reply_code} {reply_text}"
+                )?;
+                match (class_id, method_id) {
+                    (0, 0) => Ok(()),
+                    (60, 40) => write!(f, " (on basic.publish)"),
+                    (c, m) => write!(f, " (on class {c} method {m})"),
+                }
+            }
+            FailureCause::ConnectionClosed {
+                reply_code,
+                reply_text,
+            } => write!(
+                f,
+                "the broker closed the connection with {reply_code} {reply_text}"
+            ),
+            FailureCause::ConnectionLost(what) | FailureCause::ProtocolViolation(what) => {
+                f.write_str(what)
+            }
+        }
+    }
+}
+
+/// A failed connection of a sink: its cause, and the partition it carried (`None` for a
+/// sink with one connection). Shown as `partition I: CAUSE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkFailure {
+    /// The partition whose connection failed (`run --partitions N`, N > 1).
+    pub partition: Option<u16>,
+    /// Why it failed.
+    pub cause: FailureCause,
+}
+
+impl SinkFailure {
+    /// A failure of a sink with one connection.
+    pub fn new(cause: FailureCause) -> Self {
+        SinkFailure {
+            partition: None,
+            cause,
+        }
+    }
+
+    /// The reply code and text when the destination closed the publishing channel.
+    pub fn channel_close(&self) -> Option<(u16, &str)> {
+        match &self.cause {
+            FailureCause::ChannelClosed {
+                reply_code,
+                reply_text,
+                ..
+            } => Some((*reply_code, reply_text.as_str())),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for SinkFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(i) = self.partition {
+            write!(f, "partition {i}: ")?;
+        }
+        self.cause.fmt(f)
+    }
+}
 
 /// What became of one published message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,11 +158,9 @@ pub enum PublishOutcome {
         error: String,
     },
     /// The channel or connection failed before a confirm arrived: outcome unknown,
-    /// treated as not delivered.
-    Failed {
-        /// What failed (the broker's close reply, a socket error, a missed heartbeat).
-        error: String,
-    },
+    /// treated as not delivered. Carries what failed (the broker's close reply, a socket
+    /// error, a missed heartbeat) and where.
+    Failed(SinkFailure),
 }
 
 impl PublishOutcome {
@@ -83,7 +188,7 @@ impl std::fmt::Display for PublishOutcome {
                 "not published: exchange {exchange:?} was refused ({reply_code} {reply_text})"
             ),
             PublishOutcome::Unsendable { error } => write!(f, "not published: {error}"),
-            PublishOutcome::Failed { error } => write!(f, "failed before a confirm: {error}"),
+            PublishOutcome::Failed(failure) => write!(f, "failed before a confirm: {failure}"),
         }
     }
 }

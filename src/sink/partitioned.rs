@@ -124,12 +124,10 @@ impl Sink for PartitionedSink {
                 Poll::Ready(Ok(outcomes)) => {
                     settled.extend(outcomes.into_iter().map(|(seq, outcome)| match outcome {
                         // The session ends on it: say which connection failed.
-                        PublishOutcome::Failed { error } => (
-                            seq,
-                            PublishOutcome::Failed {
-                                error: format!("partition {i}: {error}"),
-                            },
-                        ),
+                        PublishOutcome::Failed(mut failure) => {
+                            failure.partition = Some(i as u16);
+                            (seq, PublishOutcome::Failed(failure))
+                        }
                         other => (seq, other),
                     }))
                 }
@@ -184,7 +182,7 @@ mod tests {
     use super::*;
     use crate::envelope::{Envelope, Metadata};
     use crate::lsn::Lsn;
-    use crate::sink::{Exchange, PartHealth};
+    use crate::sink::{Exchange, FailureCause, PartHealth, SinkFailure};
 
     /// What one poll of a part returns.
     type Settled = Result<Vec<(Seq, PublishOutcome)>, SinkError>;
@@ -329,9 +327,9 @@ mod tests {
             vec![
                 Ok(vec![(
                     2,
-                    PublishOutcome::Failed {
-                        error: "gone".into(),
-                    },
+                    PublishOutcome::Failed(SinkFailure::new(FailureCause::ConnectionLost(
+                        "gone".into(),
+                    ))),
                 )]),
                 Err(SinkError::Lost("gone".into())),
             ],
@@ -346,9 +344,10 @@ mod tests {
                 (1, PublishOutcome::Routed),
                 (
                     2,
-                    PublishOutcome::Failed {
-                        error: "partition 1: gone".into()
-                    }
+                    PublishOutcome::Failed(SinkFailure {
+                        partition: Some(1),
+                        cause: FailureCause::ConnectionLost("gone".into()),
+                    })
                 )
             ]
         );

@@ -287,13 +287,26 @@ async fn an_idle_slot_follows_unpublished_wal_within_the_record_slack() {
 }
 
 /// Section 3: a message under `--max-message-bytes` but over the broker's
-/// `max_message_size` is dead-lettered with the broker's text, and later messages flow.
+/// `max_message_size` is dead-lettered with the broker's text, and later messages flow; and
+/// the same with `--partitions 4` on the same broker (issue 31 item 1: the limit is learned
+/// from the close's typed cause on whichever partition it came).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_broker_refuses_for_its_size_is_dead_lettered() {
     let pg = Postgres::shared();
     let rmq = RabbitMq::start_private_with("max_message_size = 1048576");
-    let ob = Outbox::new(pg, &rmq.url(), "hard_size").await;
-    let streamer = ob.run(&[]);
+    size_refusal_is_learned(pg, &rmq, "hard_size", &[]).await;
+    size_refusal_is_learned(pg, &rmq, "hard_size_p4", &["--partitions", "4"]).await;
+}
+
+/// The body of the test above: `run` with `extra`, on an outbox named `name`.
+async fn size_refusal_is_learned(
+    pg: &'static Postgres,
+    rmq: &RabbitMq,
+    name: &str,
+    extra: &[&str],
+) {
+    let ob = Outbox::new(pg, &rmq.url(), name).await;
+    let streamer = ob.run(extra);
     ob.sql("SELECT outbox.emit('small', '{}', '{}', 'before')");
     let big_lsn = ob.sql(
         "SELECT outbox.emit_bytes('big', convert_to(repeat('x', 2 * 1024 * 1024), 'UTF8'), 'text/plain', '{}', 'too-big')",
@@ -316,7 +329,11 @@ async fn a_message_the_broker_refuses_for_its_size_is_dead_lettered() {
         streamer.log()
     );
     let row = reason();
-    eprintln!("dead-lettered after {:.1?}: {}", t0.elapsed(), row.trim());
+    eprintln!(
+        "{extra:?}: dead-lettered after {:.1?}: {}",
+        t0.elapsed(),
+        row.trim()
+    );
     assert!(row.starts_with("too_large|"), "{row}");
     assert!(
         row.contains("max size 1048576"),

@@ -22,16 +22,30 @@ fn url_as(base: &str, user: &str, password: &str) -> String {
 /// advances past them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_the_broker_refuses_is_dead_lettered_and_the_rest_flow() {
+    refused_publish_is_dead_lettered("live_refused", &[]).await;
+}
+
+/// Issue 31 item 1: the same with `--partitions 4`. A partition's failure once carried its
+/// text prefixed with `partition i: `, and the loop recognised a channel close only by the
+/// text's start: the 403 was never learned, and the session reconnected and replayed it
+/// forever. The loop now matches the failure's typed cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_the_broker_refuses_on_a_partition_is_dead_lettered_and_the_rest_flow() {
+    refused_publish_is_dead_lettered("live_refused_p4", &["--partitions", "4"]).await;
+}
+
+/// The body of the two tests above: `run` with `extra`, on an outbox named `name`.
+async fn refused_publish_is_dead_lettered(name: &str, extra: &[&str]) {
     let pg = Postgres::shared();
     let rmq = RabbitMq::shared();
-    let ob = Outbox::new(pg, &rmq.url(), "live_refused").await;
+    let ob = Outbox::new(pg, &rmq.url(), name).await;
     let forbidden = unique("live_forbidden_x");
     let user = unique("live_writer");
     rmq.ctl_ok(&["add_user", &user, "live-writer-pw"]);
     // Configure anything (it declares both exchanges), write only the configured exchange.
     let write = format!("^{}$", ob.exchange);
     rmq.ctl_ok(&["set_permissions", "-p", "/", &user, ".*", &write, ".*"]);
-    let streamer = ob.run_with_amqp_url(&url_as(&rmq.url(), &user, "live-writer-pw"), &[]);
+    let streamer = ob.run_with_amqp_url(&url_as(&rmq.url(), &user, "live-writer-pw"), extra);
     assert!(
         support::wait_until(scaled(Duration::from_secs(30)), || async {
             ob.slot_active()
@@ -43,6 +57,7 @@ async fn a_publish_the_broker_refuses_is_dead_lettered_and_the_rest_flow() {
     let bad = ob.sql(&format!(
         "SELECT outbox.emit('t.bad', '{{}}', message_id => 'bad', exchange => '{forbidden}')"
     ));
+    let t0 = std::time::Instant::now();
     let mut last = String::new();
     for i in 0..10 {
         last = ob.sql(&format!(
@@ -50,6 +65,10 @@ async fn a_publish_the_broker_refuses_is_dead_lettered_and_the_rest_flow() {
         ));
     }
     let got = ob.drain(10, scaled(Duration::from_secs(60))).await;
+    eprintln!(
+        "{extra:?}: the refused message dead-lettered and 10 later ones delivered after {:.1?}",
+        t0.elapsed()
+    );
     let ids: BTreeSet<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
     let want: BTreeSet<String> = (0..10).map(|i| format!("good-{i}")).collect();
     assert_eq!(ids, want, "{}", streamer.log());

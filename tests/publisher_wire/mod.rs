@@ -16,6 +16,7 @@ use pgoutbox::lsn::Lsn;
 use pgoutbox::publisher::{
     BrokerSignals, Error, MatchKey, OutboundMessage, PublishOutcome, Publisher, PublisherConfig,
 };
+use pgoutbox::sink::FailureCause;
 
 use crate::support::fake_broker::{
     ack, encode_frames, nack, return_frames, FakeBroker, FakeConfig, ReceivedPublish,
@@ -805,9 +806,13 @@ async fn a_channel_close_406_mid_window_fails_every_unsettled_tag() {
     assert_eq!(tags, vec![2, 3, 4], "{got:?}");
     for (tag, outcome) in &got {
         match outcome {
-            PublishOutcome::Failed { error } => assert!(
-                error.contains("406") && error.contains("PRECONDITION_FAILED"),
-                "#{tag}: {error}"
+            PublishOutcome::Failed(f) => assert!(
+                matches!(
+                    &f.cause,
+                    FailureCause::ChannelClosed { reply_code: 406, reply_text, .. }
+                        if reply_text.contains("PRECONDITION_FAILED")
+                ),
+                "#{tag}: {f:?}"
             ),
             other => panic!("#{tag} must be Failed, got {other:?}"),
         }
@@ -846,9 +851,13 @@ async fn a_connection_close_mid_window_fails_every_unsettled_tag() {
     assert_eq!(tags, vec![2, 3], "{got:?}");
     for (tag, outcome) in &got {
         match outcome {
-            PublishOutcome::Failed { error } => assert!(
-                error.contains("320") && error.contains("CONNECTION_FORCED"),
-                "#{tag}: {error}"
+            PublishOutcome::Failed(f) => assert!(
+                matches!(
+                    &f.cause,
+                    FailureCause::ConnectionClosed { reply_code: 320, reply_text }
+                        if reply_text.contains("CONNECTION_FORCED")
+                ),
+                "#{tag}: {f:?}"
             ),
             other => panic!("#{tag} must be Failed, got {other:?}"),
         }
@@ -1015,7 +1024,7 @@ async fn the_socket_closed_between_a_return_and_its_ack_fails_the_returned_tag()
     assert_eq!(tags, vec![1, 3], "{got:?}");
     assert!(
         got.iter()
-            .all(|(_, o)| matches!(o, PublishOutcome::Failed { .. })),
+            .all(|(_, o)| matches!(o, PublishOutcome::Failed(_))),
         "{got:?}"
     );
     assert!(matches!(e, Error::Lost(_)), "{e:?}");
@@ -1074,9 +1083,10 @@ async fn a_broker_that_stops_heartbeats_is_declared_dead() {
     );
     assert_eq!(got.len(), 1, "{got:?}");
     match &got[0] {
-        (2, PublishOutcome::Failed { error }) => {
-            assert!(error.contains("heartbeat"), "{error}")
-        }
+        (2, PublishOutcome::Failed(f)) => assert!(
+            matches!(&f.cause, FailureCause::ConnectionLost(t) if t.contains("heartbeat")),
+            "{f:?}"
+        ),
         other => panic!("#2 must fail, got {other:?}"),
     }
     assert!(
