@@ -26,7 +26,7 @@ use super::RunSummary;
 use crate::config::{DatabaseConfig, RunConfig};
 use crate::error::Error;
 use crate::metrics::{Phase, Role, Telemetry, DRIVER_BEAT};
-use crate::sink::Sink;
+use crate::sink::{FailureCause, PartHealth, Sink, SinkFailure};
 use crate::stream_state::SeenHistory;
 
 pub use super::session::DECODE_FAILURE_LIMIT;
@@ -137,14 +137,11 @@ fn first_memory(config: &RunConfig) -> SessionMemory {
             max_bytes,
             source: format!("--broker-max-message-bytes {max_bytes}"),
         });
-    let nodes = BrokerNodes {
-        urls: crate::config::order_amqp_urls(
-            &config.broker.amqp_urls,
-            config.broker.amqp_url_order,
-            fastrand::u64(..),
-        ),
-        next: 0,
-    };
+    let nodes = BrokerNodes::new(crate::config::order_amqp_urls(
+        &config.broker.amqp_urls,
+        config.broker.amqp_url_order,
+        fastrand::u64(..),
+    ));
     if nodes.urls.len() > 1 {
         tracing::info!(
             nodes = %nodes
@@ -346,6 +343,7 @@ impl Sessions<'_> {
             c = beating(self.telemetry, connecting) => c?,
         };
         self.telemetry.session_started();
+        memory.nodes.connected(&connected.nodes);
         memory.streaming_since = Some(Instant::now());
         note_role(
             self.telemetry,
@@ -360,12 +358,9 @@ impl Sessions<'_> {
             // Not ready from the moment the loop ends, not once the connections are closed.
             self.telemetry.set_phase(outage_phase(e));
         }
-        memory.nodes.session_ended(
-            ended.node,
-            result
-                .as_ref()
-                .is_err_and(|e| reconnect_cause(e) == "broker"),
-        );
+        memory
+            .nodes
+            .session_ended(&ended.nodes, &lost_connections(&*sink, core.sink_failure()));
         let highest_timeline = memory
             .seen
             .as_ref()
@@ -419,7 +414,7 @@ impl Sessions<'_> {
         );
         core.set_delivered(std::mem::take(&mut memory.delivered));
         let ended = Ended {
-            node: c.node,
+            nodes: c.nodes,
             identity: c.identity,
             recorded: c.recorded,
         };
@@ -442,12 +437,28 @@ impl Sessions<'_> {
 
 /// What a session's end records in [`SessionMemory`] besides the loop's figures.
 struct Ended {
-    /// The broker node the sink was connected to.
-    node: usize,
+    /// The broker node of each of the sink's connections, partition 0 first.
+    nodes: Vec<usize>,
     /// The server's identity.
     identity: crate::replication::connect::SystemIdentity,
     /// What the session recorded in `outbox.stream_state`, read once it ended.
     recorded: crate::stream_state::RecordedHandle,
+}
+
+/// Per connection of `sink` (partition 0 first), whether it was lost at the session's end:
+/// its health is lost, and not because the broker closed its channel over one message
+/// (`failure`, the sink failure that ended the session: the node is fine then).
+fn lost_connections(sink: &dyn Sink, failure: Option<&SinkFailure>) -> Vec<bool> {
+    let closed_channel = failure.and_then(|f| match f.cause {
+        FailureCause::ChannelClosed { .. } => Some(f.partition.map_or(0, usize::from)),
+        _ => None,
+    });
+    sink.health()
+        .parts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| *h == PartHealth::Lost && closed_channel != Some(i))
+        .collect()
 }
 
 /// The clean stop's summary line.

@@ -145,8 +145,9 @@ pub(super) struct Connected {
     pub stream: ReplicationStream,
     pub interval: Duration,
     pub sink: Box<dyn Sink>,
-    /// Index of the broker node the sink is connected to (into [`BrokerNodes::urls`]).
-    pub node: usize,
+    /// The broker node of each of the sink's connections, partition 0 first (into
+    /// [`BrokerNodes::urls`]).
+    pub nodes: Vec<usize>,
     pub dead_letters: DeadLetterWriter,
     pub start: Lsn,
     pub lockdown: Lockdown,
@@ -190,7 +191,7 @@ pub(super) async fn connect(
     warn_if_synchronous_standby(&sql, &application_name).await;
     let lockdown = read_lockdown(&sql, config).await?;
     let dead_letters = DeadLetterWriter::connect(pg, &config.postgres.schema).await?;
-    let ConnectedSink { mut sink, node } = sinks.connect(&memory.nodes).await?;
+    let ConnectedSink { mut sink, nodes } = sinks.connect(&memory.nodes).await?;
     let started = start_stream(
         config,
         pg,
@@ -237,7 +238,7 @@ pub(super) async fn connect(
         stream: started.stream,
         interval: started.interval,
         sink,
-        node,
+        nodes,
         dead_letters,
         start,
         lockdown,

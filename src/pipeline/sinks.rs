@@ -21,48 +21,88 @@ use crate::publisher::{AmqpSink, BrokerSignals, PublisherConfig};
 use crate::sink::partitioned::PartitionedSink;
 use crate::sink::Sink;
 
-/// The broker's nodes (`--amqp-url`, in `--amqp-url-order`) and where the next connect
-/// pass starts.
+/// The broker's nodes (`--amqp-url`, in `--amqp-url-order`), where each partition's next
+/// connect pass starts, and which nodes lost a connection.
 ///
-/// A pass tries every node once, starting at `next`, and takes the first that completes
-/// the AMQP handshake and the exchange declare. After the connection to node `i` was lost
-/// the next pass starts at `i + 1` (wrapping), so a node that went down is tried last; after
-/// a session that ended for another reason (Postgres, say) it starts at `i` again, so a
-/// healthy node is kept. The first pass starts at the first node.
+/// A pass tries every node once and takes the first that completes the AMQP handshake and
+/// the exchange declare. The first pass of partition `i` starts at node `i` (so with M nodes
+/// the partitions spread over them). Each partition keeps its own place: after a session,
+/// a partition whose connection was lost starts its next pass at the node after its own,
+/// and the others start where they were, so a healthy node is kept. A node on which a
+/// connection was lost is **down** until a connection to it completes again: every pass
+/// tries the down nodes last, whichever partition's loss found them, so a partition that
+/// was on a live node is not sent to a dead one (a black-holed node costs a whole
+/// [`crate::publisher::CONNECT_TIMEOUT`] per try).
 #[derive(Debug, Default)]
 pub(super) struct BrokerNodes {
     /// The nodes' URLs, in the order they are tried.
     pub urls: Vec<String>,
-    /// Index into `urls` of the node the next pass tries first.
-    pub next: usize,
+    /// Per partition, the node its next pass tries first (empty before the first session).
+    next: Vec<usize>,
+    /// Per node: a connection to it was lost and none completed since.
+    down: Vec<bool>,
 }
 
 impl BrokerNodes {
-    /// The indices of one connect pass, in the order they are tried, starting `offset`
-    /// nodes after `next` (partition `i` of N uses offset `i`).
-    fn pass(&self, offset: usize) -> impl Iterator<Item = usize> + '_ {
-        let n = self.urls.len().max(1);
-        (0..self.urls.len()).map(move |k| (self.next + offset + k) % n)
+    /// `urls` in the order they are tried, none down.
+    pub fn new(urls: Vec<String>) -> Self {
+        let down = vec![false; urls.len()];
+        BrokerNodes {
+            urls,
+            next: Vec::new(),
+            down,
+        }
     }
 
-    /// Records how a session on node `used` ended: after a broker failure the next pass
-    /// starts at the following node.
-    pub fn session_ended(&mut self, used: usize, broker_lost: bool) {
+    /// The indices of partition `part`'s connect pass, in the order they are tried: from
+    /// its starting node round the ring, the nodes that are down moved to the end.
+    fn pass(&self, part: usize) -> Vec<usize> {
         let n = self.urls.len().max(1);
-        self.next = if broker_lost {
-            (used + 1) % n
-        } else {
-            used % n
-        };
+        let start = self.next.get(part).copied().unwrap_or(part) % n;
+        let mut order: Vec<usize> = (0..self.urls.len()).map(|k| (start + k) % n).collect();
+        order.sort_by_key(|&i| self.down.get(i).copied().unwrap_or(false));
+        order
+    }
+
+    /// Records how a session ended: partition `i` was on node `used[i]`, and `lost[i]`
+    /// says whether its connection was lost (not a channel the broker closed over one
+    /// message: the node is fine then).
+    pub fn session_ended(&mut self, used: &[usize], lost: &[bool]) {
+        let n = self.urls.len().max(1);
+        for (&node, _) in used.iter().zip(lost).filter(|(_, &l)| l) {
+            if let Some(down) = self.down.get_mut(node) {
+                *down = true;
+            }
+        }
+        self.next = used
+            .iter()
+            .zip(lost)
+            .map(|(&node, &l)| if l { (node + 1) % n } else { node % n })
+            .collect();
+    }
+
+    /// A session connected partition `i` to node `used[i]`: those nodes are up.
+    pub fn connected(&mut self, used: &[usize]) {
+        for &node in used {
+            if let Some(down) = self.down.get_mut(node) {
+                *down = false;
+            }
+        }
+    }
+
+    /// Whether node `i` is marked down.
+    #[cfg(test)]
+    fn is_down(&self, i: usize) -> bool {
+        self.down[i]
     }
 }
 
-/// A connected sink, and the node it is connected to (into [`BrokerNodes::urls`]).
+/// A connected sink, and the node of each of its connections (into [`BrokerNodes::urls`]).
 pub(super) struct ConnectedSink {
     /// The sink the loop publishes to.
     pub sink: Box<dyn Sink>,
-    /// The node of its connection.
-    pub node: usize,
+    /// The node of each connection, partition 0 first (one for a single connection).
+    pub nodes: Vec<usize>,
 }
 
 /// The sink a run publishes to, decided once from its settings.
@@ -122,8 +162,8 @@ impl SinkChoice {
         SinkChoice::Amqp { publisher, encoder }
     }
 
-    /// Connects the sink: one pass over `nodes` per connection ([`connect_amqp`]). For
-    /// `Partitioned`, the node reported is partition 0's.
+    /// Connects the sink: one pass over `nodes` per connection ([`connect_amqp`]), each
+    /// connection's node reported.
     ///
     /// # Errors
     /// As [`connect_amqp`], for the first partition that did not connect (the ones
@@ -136,7 +176,7 @@ impl SinkChoice {
                 let (sink, node) = connect_amqp(nodes, 0, publisher.clone(), encoder).await?;
                 Ok(ConnectedSink {
                     sink: Box::new(sink),
-                    node,
+                    nodes: vec![node],
                 })
             }
             SinkChoice::Partitioned {
@@ -149,7 +189,7 @@ impl SinkChoice {
     }
 }
 
-/// Connects partitions `0..count` in turn, partition `i` starting its pass `i` nodes on,
+/// Connects partitions `0..count` in turn, each with its own pass ([`BrokerNodes::pass`]),
 /// each named `pgoutbox INSTANCE partition i/count` on the broker (its connection list
 /// shows them).
 async fn connect_partitions(
@@ -160,7 +200,7 @@ async fn connect_partitions(
     key: PartitionKey,
 ) -> Result<ConnectedSink, Error> {
     let mut parts: Vec<Box<dyn Sink>> = Vec::with_capacity(usize::from(count));
-    let mut first_node = 0;
+    let mut used = Vec::with_capacity(usize::from(count));
     for i in 0..usize::from(count) {
         let mut config = publisher.clone();
         config.connection_name = format!("{} partition {i}/{count}", publisher.connection_name);
@@ -171,19 +211,17 @@ async fn connect_partitions(
             node = node + 1,
             "partition connected"
         );
-        if i == 0 {
-            first_node = node;
-        }
+        used.push(node);
         parts.push(Box::new(sink));
     }
     Ok(ConnectedSink {
         sink: Box::new(PartitionedSink::new(parts, key)),
-        node: first_node,
+        nodes: used,
     })
 }
 
-/// One connect pass over the broker's nodes ([`BrokerNodes::pass`], starting `offset` nodes
-/// on): the first node that
+/// One connect pass of partition `part` over the broker's nodes ([`BrokerNodes::pass`]): the
+/// first node that
 /// completes the handshake and the exchange declare wins, and is logged (URL without its
 /// password). Each node gets [`crate::publisher::CONNECT_TIMEOUT`].
 ///
@@ -199,14 +237,14 @@ async fn connect_partitions(
 /// error (a node down or unreachable), and the pass is tried again after the backoff.
 async fn connect_amqp(
     nodes: &BrokerNodes,
-    offset: usize,
+    part: usize,
     mut publisher_config: PublisherConfig,
     encoder: &Encoder,
 ) -> Result<(AmqpSink, usize), Error> {
     let total = nodes.urls.len();
     let mut first_retryable: Option<Error> = None;
     let mut first_definite: Option<Error> = None;
-    for i in nodes.pass(offset) {
+    for i in nodes.pass(part) {
         publisher_config.amqp_url.clone_from(&nodes.urls[i]);
         let url = crate::config::redact_url(&nodes.urls[i]);
         match AmqpSink::connect(&publisher_config, encoder.clone()).await {
@@ -245,4 +283,53 @@ async fn connect_amqp(
     Err(first_retryable
         .or(first_definite)
         .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ node is configured".into())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(n: usize) -> BrokerNodes {
+        BrokerNodes::new((0..n).map(|i| format!("amqp://node{i}")).collect())
+    }
+
+    #[test]
+    fn partitions_start_spread_and_keep_their_own_place() {
+        let mut b = nodes(3);
+        assert_eq!(b.pass(0), [0, 1, 2]);
+        assert_eq!(b.pass(1), [1, 2, 0]);
+        assert_eq!(b.pass(4), [1, 2, 0]);
+        // A session ended for another reason (Postgres): every partition stays put.
+        b.session_ended(&[0, 1, 2, 0], &[false; 4]);
+        assert_eq!(b.pass(3), [0, 1, 2]);
+        assert_eq!(b.pass(2), [2, 0, 1]);
+    }
+
+    /// Issue 31 item 3: the bookkeeping followed partition 0 only, so after node 1 died a
+    /// partition that was on node 0 started its next pass at node 1, and one on node 1 was
+    /// sent back to it.
+    #[test]
+    fn a_lost_node_is_tried_last_by_every_partition() {
+        let mut b = nodes(3);
+        // Six partitions on nodes 0, 1, 2, 0, 1, 2; node 1 dies: partitions 1 and 4 lost.
+        let used = [0, 1, 2, 0, 1, 2];
+        b.session_ended(&used, &[false, true, false, false, true, false]);
+        assert!(b.is_down(1));
+        for part in 0..6 {
+            let pass = b.pass(part);
+            assert_eq!(pass.last(), Some(&1), "partition {part}: {pass:?}");
+            assert_ne!(pass[0], 1);
+        }
+        assert_eq!(b.pass(0)[0], 0, "a partition on a live node stays there");
+        assert_eq!(b.pass(1)[0], 2, "a lost partition moves to the next node");
+        assert_eq!(b.pass(2)[0], 2);
+        // Once a connection to node 1 completes, it is tried in its turn again.
+        b.connected(&[1]);
+        assert_eq!(b.pass(4), [2, 0, 1]);
+        assert_eq!(b.pass(3), [0, 1, 2]);
+        // One node: it is still tried, down or not.
+        let mut one = nodes(1);
+        one.session_ended(&[0], &[true]);
+        assert_eq!(one.pass(0), [0]);
+    }
 }

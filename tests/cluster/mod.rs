@@ -3,7 +3,9 @@
 //! and then the node it failed over to is stopped (`stop_app`); the streamer fails over
 //! each time and the audit by message id finds nothing lost and nothing invented. Before
 //! that, on the same cluster: `--partitions 3` with the three URLs puts partition i on
-//! node i (issue 18), so the cluster shares the channel work.
+//! node i (issue 18), so the cluster shares the channel work; and with `--partitions 6`,
+//! when the node two partitions are on turns into a black hole, those two move to live
+//! nodes and no partition's connect pass tries the black hole first (issue 31 item 3).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -44,6 +46,7 @@ async fn quorum_queue_survives_losing_the_connected_node_twice() {
     let pg = Postgres::shared();
     let urls = cluster.urls();
     partitions_spread_over_the_nodes(pg, &cluster).await;
+    partitions_leave_a_black_holed_node(pg, &cluster).await;
     let mut ob = Outbox::new_without_queue(pg, &urls[0], "cluster").await;
     declare_bound_quorum_queue(&urls[0], &ob.exchange, &ob.queue).await;
     let instance = support::unique("cluster-streamer");
@@ -293,5 +296,105 @@ async fn partitions_spread_over_the_nodes(pg: &'static Postgres, cluster: &Rabbi
     let last = ob.emit("parts.one", "parts-one");
     assert_eq!(ob.drain(1, scaled(Duration::from_secs(30))).await.len(), 1);
     assert!(ob.flushed_past(last, scaled(Duration::from_secs(30))).await);
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+}
+
+/// Issue 31 item 3: `run --partitions 6` over the three nodes, each behind a proxy, so two
+/// partitions are on each node. While producers write, node 2's proxy turns into a black
+/// hole (connections cut, new ones accepted and never answered: a handshake there waits out
+/// its whole connect timeout). The two partitions that were on it move to live nodes, no
+/// partition's connect pass tries the black hole before the live nodes (its proxy accepts
+/// no connection until every partition streams again: the bookkeeping once followed
+/// partition 0 only, and sent it to the next node, the dead one), and nothing is lost.
+async fn partitions_leave_a_black_holed_node(pg: &'static Postgres, cluster: &RabbitCluster) {
+    let proxies: Vec<support::Proxy> = cluster
+        .nodes
+        .iter()
+        .map(|n| support::Proxy::start(n.port()))
+        .collect();
+    let urls: Vec<String> = cluster
+        .urls()
+        .iter()
+        .zip(&proxies)
+        .map(|(u, p)| {
+            let mut u = url::Url::parse(u).expect("amqp url");
+            u.set_port(Some(p.port())).expect("port");
+            u.to_string()
+        })
+        .collect();
+    let ob = Outbox::new(pg, &cluster.urls()[0], "cluster_black_hole").await;
+    let instance = support::unique("cluster-bh");
+    let streamer = ob.run_with_amqp_url(
+        &urls.join(","),
+        &["--partitions", "6", "--instance-id", &instance],
+    );
+    let name = |i: usize| format!("pgoutbox {instance} partition {i}/6");
+    let nodes = || {
+        (0..6)
+            .map(|i| cluster.node_of_connection(&name(i)))
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        wait_until(scaled(Duration::from_secs(60)), || async {
+            (0..6).all(|i| cluster.node_of_connection(&name(i)) == Some(i % 3))
+        })
+        .await,
+        "partition i on node i mod 3: {:?}\n{}",
+        nodes(),
+        streamer.log()
+    );
+    // Keyed by aggregate, so every partition carries some (one transaction each batch).
+    let emit = |from: u32, to: u32| {
+        ob.sql(&format!(
+            "SELECT count(outbox.emit('bh', '{{}}', '{{}}', 'bh-' || g, aggregate_id => 'agg-' || g)) FROM generate_series({from}, {to}) g"
+        ))
+    };
+    emit(0, 99);
+    let tried_before = proxies[1].accepted();
+    let t_hole = Instant::now();
+    proxies[1].stall();
+    proxies[1].cut();
+    emit(100, 199);
+    let got = ob.drain(200, scaled(Duration::from_secs(60))).await;
+    let streaming_again = t_hole.elapsed();
+    let moved = wait_until(scaled(Duration::from_secs(60)), || async {
+        (0..6).all(|i| {
+            cluster
+                .node_of_connection(&name(i))
+                .is_some_and(|node| node != 1)
+        })
+    })
+    .await;
+    let after = nodes();
+    assert!(
+        moved,
+        "every partition on a live node: {after:?}\n{}",
+        streamer.log()
+    );
+
+    let ids: std::collections::BTreeSet<String> =
+        got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let missing: Vec<String> = (0..200)
+        .map(|n| format!("bh-{n}"))
+        .filter(|id| !ids.contains(id))
+        .collect();
+    assert!(missing.is_empty(), "lost {missing:?}\n{}", streamer.log());
+    eprintln!(
+        "black-holed node: partitions on {after:?}, all 200 messages delivered {streaming_again:.1?} after the black hole ({} duplicates); connections tried at the black hole: {}",
+        got.len() - ids.len(),
+        proxies[1].accepted() - tried_before
+    );
+    assert_eq!(
+        proxies[1].accepted(),
+        tried_before,
+        "a connect pass tried the black-holed node before a live one\n{}",
+        streamer.log()
+    );
+    for (i, node) in after.iter().enumerate() {
+        if i % 3 != 1 {
+            assert_eq!(*node, Some(i % 3), "partition {i} stayed on its live node");
+        }
+    }
+    proxies[1].pass();
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }
