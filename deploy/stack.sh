@@ -5,8 +5,13 @@
 #
 #   deploy/stack.sh install          install postgresql + rabbitmq-server (apt) if missing
 #   deploy/stack.sh start DIR        start both, write DIR/env (source-able), print it
+#                                    (PGOUTBOX_STACK_PLUGINS=a,b: RabbitMQ plugins on from boot)
 #   deploy/stack.sh stop DIR         stop both, leave nothing running
 #   deploy/stack.sh ctl DIR ARGS...  run rabbitmqctl against DIR's node
+#   deploy/stack.sh plugins DIR ARGS...
+#                                    run rabbitmq-plugins against DIR's node, e.g.
+#                                    `plugins DIR enable rabbitmq_consistent_hash_exchange`
+#                                    (never the system broker's enabled-plugins file)
 #   deploy/stack.sh psql DIR ARGS... run psql against DIR's cluster (as postgres)
 set -euo pipefail
 
@@ -195,10 +200,16 @@ start_rabbit() {
     name="pgoutbox-stack-$$-$amqp@localhost"
     mkdir -p "$r/home" "$r/mnesia" "$r/log"
     chmod 700 "$r/home"
-    echo "[]." >"$r/enabled_plugins"
+    # PGOUTBOX_STACK_PLUGINS: plugins enabled from the node's first boot (comma-separated,
+    # e.g. rabbitmq_consistent_hash_exchange); later, `stack.sh plugins DIR enable NAME`.
+    echo "[${PGOUTBOX_STACK_PLUGINS:-}]." >"$r/enabled_plugins"
     : >"$r/rabbitmq-env.conf"
+    # cluster_name: the node's own name (RabbitMQ's default would put the machine's host name
+    # in it, not localhost), which `pgoutbox declare-topology` reads to name this node in the
+    # command that enables a plugin.
     cat >"$r/rabbitmq.conf" <<EOF
 listeners.tcp.default = 127.0.0.1:$amqp
+cluster_name = $name
 loopback_users.guest = true
 log.file.level = info
 log.console = false
@@ -308,6 +319,28 @@ cmd_ctl() {
     exec "$RABBIT_BIN_DIR/rabbitmqctl" "$@"
 }
 
+# rabbitmq-plugins for the stack's node. Sourcing DIR/env and running rabbitmq-plugins does not
+# do this: the CLI cannot reach the node (its epmd port and Erlang cookie are the stack's own),
+# falls back to an "Offline change" and edits the system broker's enabled-plugins file
+# (/etc/rabbitmq/enabled_plugins). Here the CLI runs with the node's own environment (node
+# name, epmd port, cookie, RABBITMQ_ENABLED_PLUGINS_FILE=DIR/rabbit/enabled_plugins), and
+# enable/disable go --online: applied to the running node at once, or an error if it cannot
+# be reached, never an offline edit elsewhere. A stopped node's file is edited with
+# `plugins DIR enable --offline NAME`.
+cmd_plugins() {
+    local dir=${1:?usage: stack.sh plugins DIR ARGS...}
+    shift
+    dir=$(cd "$dir" && pwd)
+    rabbit_env "$dir"
+    local args=("$@")
+    if [[ ${1:-} == enable || ${1:-} == disable ]]; then
+        local a mode=--online
+        for a in "$@"; do [[ $a == --offline || $a == --online ]] && mode=""; done
+        [[ -n $mode ]] && args+=("$mode")
+    fi
+    exec "$RABBIT_BIN_DIR/rabbitmq-plugins" -n "$NODENAME" "${args[@]}"
+}
+
 cmd_psql() {
     local dir=${1:?usage: stack.sh psql DIR ARGS...}
     shift
@@ -324,6 +357,7 @@ case "$sub" in
     start) cmd_start "$@" ;;
     stop) cmd_stop "$@" ;;
     ctl) cmd_ctl "$@" ;;
+    plugins) cmd_plugins "$@" ;;
     psql) cmd_psql "$@" ;;
-    *) echo "usage: $0 {install|start DIR|stop DIR|ctl DIR args...|psql DIR args...}" >&2; exit 2 ;;
+    *) echo "usage: $0 {install|start DIR|stop DIR|ctl DIR args...|plugins DIR args...|psql DIR args...}" >&2; exit 2 ;;
 esac

@@ -18,6 +18,9 @@ pub enum Error {
     /// definite) or failed in another way no message settles.
     #[error(transparent)]
     Sink(#[from] crate::sink::SinkError),
+    /// `declare-topology` could not declare or check the consumers' topology.
+    #[error(transparent)]
+    Topology(#[from] crate::topology::Error),
     /// An ordinary SQL command failed.
     #[error("postgres: {context}")]
     Sql {
@@ -212,6 +215,10 @@ impl Error {
             // The broker broke the publisher-confirm protocol: stop rather than trust it.
             Error::Publisher(crate::publisher::Error::Protocol(_)) => false,
             Error::Sink(crate::sink::SinkError::Violated(_)) => false,
+            // A plugin that is off, a refusal (403): the same declaration fails again.
+            Error::Topology(
+                crate::topology::Error::PluginOff { .. } | crate::topology::Error::Refused { .. },
+            ) => false,
             _ => true,
         }
     }

@@ -49,6 +49,7 @@ pub mod routing;
 pub mod secrets;
 pub mod sink;
 pub mod stream_state;
+pub mod topology;
 pub mod validation;
 pub mod watermark;
 

@@ -486,6 +486,7 @@ async fn try_main(job: Job) -> Result<u8, Error> {
             Ok(0)
         }
         Command::Status(args) => status(args).await,
+        Command::DeclareTopology(args) => declare_topology(args).await,
         Command::Peek(args) => peek(args).await.map(|()| 0),
         Command::Teardown(args) => {
             validate_identifier("--slot", &args.db.slot)?;
@@ -518,6 +519,68 @@ async fn try_main(job: Job) -> Result<u8, Error> {
         Command::Run(_) | Command::Check(_) => unreachable!("built into a Job by Job::of"),
         Command::Completions(_) | Command::Docs(_) => unreachable!("handled before the runtime"),
     }
+}
+
+/// `declare-topology`: declares (or with `--check` only checks) the consumers' topology,
+/// printing one line per object; exit 1 when something is missing or differs.
+async fn declare_topology(args: pgoutbox::cli::DeclareTopologyArgs) -> Result<u8, Error> {
+    use pgoutbox::publisher::socket::Endpoint;
+    use pgoutbox::topology::{self, Mode};
+    let topology = args.topology()?;
+    let url = args.url()?;
+    let endpoint = Endpoint::parse(&url).map_err(|e| ValidationError {
+        setting: "--amqp-url",
+        value: pgoutbox::redaction::redact_url(&url),
+        rule: e.to_string(),
+    })?;
+    let opened = tokio::time::timeout(
+        pgoutbox::publisher::CONNECT_TIMEOUT,
+        pgoutbox::publisher::connection::open_session(&endpoint, "pgoutbox declare-topology"),
+    )
+    .await
+    .map_err(|_| pgoutbox::publisher::Error::ConnectTimeout {
+        url: endpoint.redacted_url.clone(),
+        timeout_s: pgoutbox::publisher::CONNECT_TIMEOUT.as_secs(),
+    })?;
+    let mut session = opened?;
+    let mode = if args.check {
+        Mode::Check
+    } else {
+        Mode::Declare
+    };
+    let host = endpoint.address();
+    let host = host.rsplit_once(':').map_or(host.as_str(), |(h, _)| h);
+    let findings =
+        topology::apply(&mut session, &topology, mode, &endpoint.redacted_url, host).await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), session.close()).await;
+    let findings = findings?;
+    for f in &findings {
+        println!("{f}");
+    }
+    let problems = findings.iter().filter(|f| f.state.is_problem()).count();
+    if problems > 0 {
+        return Err(Error::Precondition(format!(
+            "declare-topology found {problem} object(s) missing or different at {url}{hint}",
+            problem = problems,
+            url = endpoint.redacted_url,
+            hint = if args.check {
+                "; run it without --check to declare what is missing"
+            } else {
+                "; nothing that exists was changed"
+            }
+        )));
+    }
+    println!(
+        "topology {}: {} -> {} -> {} quorum queue(s) {}.0 to {}.{}",
+        if args.check { "checked" } else { "declared" },
+        topology.exchange,
+        topology.hash_exchange,
+        topology.queue_count,
+        topology.queue_prefix,
+        topology.queue_prefix,
+        topology.queue_count - 1
+    );
+    Ok(0)
 }
 
 /// `run`: streams until SIGINT or SIGTERM.

@@ -11,6 +11,7 @@ pub const FLAGS_WITHOUT_ENV: &[&str] = &[
     "--accept-gap",
     "--all",
     "--batch-size",
+    "--check",
     "--create-roles",
     "--force",
     "--id",

@@ -37,3 +37,4 @@ mod secrets;
 mod standby;
 mod status;
 mod tls;
+mod topology;

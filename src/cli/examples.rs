@@ -31,6 +31,15 @@ Examples:
   # Exit 1 and print the fix when a server, the slot or the exchange is not ready
   pgoutbox check --database-url postgres://pgoutbox_streamer@db/app --amqp-url amqp://rabbit";
 
+/// `declare-topology`.
+pub const DECLARE_TOPOLOGY: &str = "\
+Examples:
+  # Four quorum queues behind a consistent-hash exchange on the outbox exchange (idempotent)
+  PGOUTBOX_AMQP_URL=amqp://admin@rabbit/%2f pgoutbox declare-topology --queues 4
+
+  # Change nothing: exit 1 and say what is missing or differs
+  pgoutbox declare-topology --queues 4 --check";
+
 /// `status`.
 pub const STATUS: &str = "\
 Examples:

@@ -63,6 +63,12 @@ pub enum Command {
     /// without changing anything; exits 1 if `run` would stop, with the fix.
     #[command(after_long_help = examples::CHECK)]
     Check(CheckArgs),
+    /// Declare the topology for consumers that scale out: Q quorum queues with single
+    /// active consumer behind a consistent-hash exchange that hashes
+    /// x-pgoutbox-aggregate-id, bound from the outbox exchange (idempotent; checks what
+    /// exists and exits 1 naming what differs).
+    #[command(after_long_help = examples::DECLARE_TOPOLOGY)]
+    DeclareTopology(DeclareTopologyArgs),
     /// Show the slot's health (lag, retained WAL, waiting messages, dead letters); exit 0
     /// healthy, 1 warning, 2 critical.
     #[command(after_long_help = examples::STATUS)]
@@ -480,6 +486,86 @@ impl StandbyUrlArgs {
                 })
             })
             .transpose()
+    }
+}
+
+/// `declare-topology` arguments.
+#[derive(Debug, Args)]
+pub struct DeclareTopologyArgs {
+    /// RabbitMQ URL: amqp://user:password@host:port/vhost, or amqps:// (TLS settings in the
+    /// URL's query, as for run). The user needs configure permission on the objects. Of a
+    /// comma-separated list (a cluster), the first node is used: exchanges and queues are
+    /// the cluster's. A password here is visible in the process list: prefer the variable
+    /// or a file.
+    #[arg(long, env = "PGOUTBOX_AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<Secret>,
+    /// A file holding the RabbitMQ URL (a container secret); a trailing newline is dropped.
+    /// Instead of --amqp-url.
+    #[arg(long, env = "PGOUTBOX_AMQP_URL_FILE")]
+    pub amqp_url_file: Option<PathBuf>,
+    /// A file holding the RabbitMQ password alone, put into the URL (which must then have
+    /// a user and no password).
+    #[arg(long, env = "PGOUTBOX_AMQP_PASSWORD_FILE")]
+    pub amqp_password_file: Option<PathBuf>,
+    /// The outbox exchange `run` publishes to (declared as a durable topic exchange if
+    /// absent, as run does).
+    #[arg(long, env = "PGOUTBOX_EXCHANGE", default_value = crate::config::DEFAULT_EXCHANGE)]
+    pub exchange: String,
+    /// The consistent-hash exchange (type x-consistent-hash, plugin
+    /// rabbitmq_consistent_hash_exchange). Default: EXCHANGE.hash.
+    #[arg(long, env = "PGOUTBOX_HASH_EXCHANGE")]
+    pub hash_exchange: Option<String>,
+    /// The queues' name prefix: queue i is PREFIX.i. Default: EXCHANGE.q.
+    #[arg(long, env = "PGOUTBOX_QUEUE_PREFIX")]
+    pub queue_prefix: Option<String>,
+    /// How many queues, Q (1 to 1024): one active consumer each. Changing it moves keys
+    /// between queues: drain them first.
+    #[arg(long, env = "PGOUTBOX_QUEUES", default_value_t = crate::topology::DEFAULT_QUEUES, value_parser = parse_whole_number::<u16>)]
+    pub queues: u16,
+    /// Change nothing: report what is missing or differs, exit 1 if anything is.
+    #[arg(long)]
+    pub check: bool,
+}
+
+impl DeclareTopologyArgs {
+    /// The broker URL, put together from its sources (the first node of a list).
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] from [`crate::secrets::resolve`].
+    pub fn url(&self) -> Result<String, crate::config::ValidationError> {
+        let url = crate::secrets::resolve(
+            Target::Amqp,
+            &Sources {
+                url: self.amqp_url.clone(),
+                url_file: self.amqp_url_file.clone(),
+                password_file: None,
+            },
+        )?;
+        let first = crate::config::split_amqp_urls(&[url])
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        crate::secrets::resolve(
+            Target::Amqp,
+            &Sources {
+                url: Some(Secret(first)),
+                url_file: None,
+                password_file: self.amqp_password_file.clone(),
+            },
+        )
+    }
+
+    /// The validated topology.
+    ///
+    /// # Errors
+    /// [`crate::config::ValidationError`] naming the setting.
+    pub fn topology(&self) -> Result<crate::topology::Topology, crate::config::ValidationError> {
+        crate::topology::Topology::new(
+            &self.exchange,
+            self.hash_exchange.as_deref(),
+            self.queue_prefix.as_deref(),
+            self.queues,
+        )
     }
 }
 

@@ -118,8 +118,9 @@ pub async fn open(
 }
 
 impl Handshake<'_> {
-    /// `connection.start` → `start-ok` with PLAIN and the URL's credentials.
-    async fn log_in(&mut self, uri: &AMQPUri, connection_name: &str) -> Result<(), Error> {
+    /// `connection.start` → `start-ok` with PLAIN and the URL's credentials; returns the
+    /// server properties of `connection.start`.
+    async fn log_in(&mut self, uri: &AMQPUri, connection_name: &str) -> Result<FieldTable, Error> {
         let start = match self.method().await? {
             (0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
             (_, other) => return Err(self.unexpected("connection.start", &other)),
@@ -146,7 +147,8 @@ impl Handshake<'_> {
             0,
             AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
         )
-        .await
+        .await?;
+        Ok(start.server_properties)
     }
 
     /// `connection.tune` → `tune-ok`: `frame_max` and the heartbeat as the URL asks (or
@@ -353,6 +355,228 @@ pub(super) async fn read_until_close_ok(socket: &mut Socket, buffered: Vec<u8>, 
             Ok(0) | Err(_) => return,
             Ok(n) => filled += n,
         }
+    }
+}
+
+/// A connection for a few administrative methods, one at a time (`declare-topology`): the
+/// handshake of [`open`] without the publishing channel, then [`Session::call`] sends one
+/// method and returns the broker's answer on its channel.
+///
+/// A refused method closes its channel (AMQP 0-9-1 section 1.4.2.5, RabbitMQ's channel-level
+/// exceptions): the session answers `channel.close-ok` and opens the channel again for the
+/// next call. A connection-level exception (RabbitMQ's 503 `COMMAND_INVALID` for an unknown
+/// exchange type, 541 `INTERNAL_ERROR`, 320 `CONNECTION_FORCED`) ends the session: every later
+/// call answers the same [`Answer::ConnectionClosed`].
+#[derive(Debug)]
+pub struct Session {
+    socket: Socket,
+    buf: Vec<u8>,
+    frame_max: u32,
+    url: String,
+    address: String,
+    tls: bool,
+    /// The server properties of `connection.start` (`product`, `version`, `cluster_name`).
+    server_properties: FieldTable,
+    /// Whether [`CHANNEL`] is open.
+    channel_open: bool,
+    /// The connection-level close that ended the session.
+    closed: Option<(u16, String)>,
+}
+
+/// The broker's answer to [`Session::call`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// The method's reply (`exchange.declare-ok`, `queue.declare-ok`, `queue.bind-ok`, ...).
+    Ok(AMQPClass),
+    /// The broker refused the method and closed its channel (`channel.close`): 404
+    /// `NOT_FOUND` for a passive declare of a missing object, 406 `PRECONDITION_FAILED` for
+    /// an object declared before with other properties, 403 `ACCESS_REFUSED`.
+    ChannelClosed {
+        /// The reply code.
+        reply_code: u16,
+        /// The reply text, e.g. `PRECONDITION_FAILED - inequivalent arg 'x-queue-type' ...`.
+        reply_text: String,
+    },
+    /// The broker closed the whole connection (`connection.close`): 503 `COMMAND_INVALID`
+    /// for an exchange type no enabled plugin provides, among others.
+    ConnectionClosed {
+        /// The reply code.
+        reply_code: u16,
+        /// The reply text.
+        reply_text: String,
+    },
+}
+
+/// Connects to `endpoint` (TCP, and TLS for `amqps://`), logs in with PLAIN and opens the
+/// vhost, for [`Session::call`].
+///
+/// # Errors
+/// As [`open`], without [`Error::Declare`].
+pub async fn open_session(endpoint: &Endpoint, connection_name: &str) -> Result<Session, Error> {
+    let mut socket = socket::connect(endpoint).await?;
+    let mut hs = Handshake {
+        socket: &mut socket,
+        buf: Vec::with_capacity(4096),
+        frame_max: FRAME_MIN_SIZE,
+        url: endpoint.redacted_url.as_str(),
+        address: endpoint.address(),
+        tls: endpoint.tls.is_some(),
+    };
+    let mut out = Vec::with_capacity(64);
+    wire::encode(
+        &mut out,
+        &AMQPFrame::ProtocolHeader(ProtocolVersion::amqp_0_9_1()),
+    )
+    .map_err(|e| hs.err(e))?;
+    hs.write(&out).await?;
+    let server_properties = hs.log_in(&endpoint.uri, connection_name).await?;
+    let tuned = hs.tune(&endpoint.uri).await?;
+    hs.open_vhost(&endpoint.uri.vhost).await?;
+    let buf = std::mem::take(&mut hs.buf);
+    Ok(Session {
+        socket,
+        buf,
+        frame_max: tuned.frame_max,
+        url: endpoint.redacted_url.clone(),
+        address: endpoint.address(),
+        tls: endpoint.tls.is_some(),
+        server_properties,
+        channel_open: false,
+        closed: None,
+    })
+}
+
+impl Session {
+    /// The server properties the broker sent in `connection.start` (section 2.2.4):
+    /// RabbitMQ's are `product`, `version`, `platform`, `cluster_name`, `capabilities`.
+    pub fn server_properties(&self) -> &FieldTable {
+        &self.server_properties
+    }
+
+    /// Sends `method` on [`CHANNEL`] (opening it first when needed) and waits for the
+    /// broker's answer on that channel; heartbeats and other channels' frames are skipped.
+    /// Methods with `nowait` set must not be sent: their answer never comes.
+    ///
+    /// # Errors
+    /// [`Error::Connect`] when the socket fails or the broker sends something that is not
+    /// AMQP; a refusal is an [`Answer`], not an error.
+    pub async fn call(&mut self, method: AMQPClass) -> Result<Answer, Error> {
+        if let Some((reply_code, reply_text)) = &self.closed {
+            return Ok(Answer::ConnectionClosed {
+                reply_code: *reply_code,
+                reply_text: reply_text.clone(),
+            });
+        }
+        if !self.channel_open {
+            let open = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+            match self.round_trip(open).await? {
+                Answer::Ok(AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => {
+                    self.channel_open = true;
+                }
+                Answer::Ok(other) => {
+                    return Err(self.handshake().unexpected("channel.open-ok", &other))
+                }
+                refused => return Ok(refused),
+            }
+        }
+        self.round_trip(method).await
+    }
+
+    async fn round_trip(&mut self, method: AMQPClass) -> Result<Answer, Error> {
+        let mut hs = Handshake {
+            buf: std::mem::take(&mut self.buf),
+            socket: &mut self.socket,
+            frame_max: self.frame_max,
+            url: self.url.as_str(),
+            address: self.address.clone(),
+            tls: self.tls,
+        };
+        let result = async {
+            hs.send(CHANNEL, method).await?;
+            loop {
+                match hs.frame().await? {
+                    AMQPFrame::Method(
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::Close(c)),
+                    ) => {
+                        let ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                            connection::CloseOk {},
+                        ));
+                        let _ = hs.send(0, ok).await;
+                        return Ok(Answer::ConnectionClosed {
+                            reply_code: c.reply_code,
+                            reply_text: c.reply_text.as_str().to_owned(),
+                        });
+                    }
+                    AMQPFrame::Method(
+                        CHANNEL,
+                        AMQPClass::Channel(channel::AMQPMethod::Close(c)),
+                    ) => {
+                        let ok =
+                            AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+                        hs.send(CHANNEL, ok).await?;
+                        return Ok(Answer::ChannelClosed {
+                            reply_code: c.reply_code,
+                            reply_text: c.reply_text.as_str().to_owned(),
+                        });
+                    }
+                    AMQPFrame::Method(CHANNEL, reply) => return Ok(Answer::Ok(reply)),
+                    _ => continue,
+                }
+            }
+        }
+        .await;
+        self.buf = std::mem::take(&mut hs.buf);
+        match &result {
+            Ok(Answer::ChannelClosed { .. }) => self.channel_open = false,
+            Ok(Answer::ConnectionClosed {
+                reply_code,
+                reply_text,
+            }) => {
+                self.channel_open = false;
+                self.closed = Some((*reply_code, reply_text.clone()));
+            }
+            _ => {}
+        }
+        result
+    }
+
+    /// A [`Handshake`] over this session's socket, for its messages (an empty buffer).
+    fn handshake(&mut self) -> Handshake<'_> {
+        Handshake {
+            buf: Vec::new(),
+            socket: &mut self.socket,
+            frame_max: self.frame_max,
+            url: self.url.as_str(),
+            address: self.address.clone(),
+            tls: self.tls,
+        }
+    }
+
+    /// Closes the connection (`connection.close` 200, then `close-ok`, see
+    /// [`read_until_close_ok`]), unless the broker already closed it. Best effort; the caller
+    /// bounds how long it may take.
+    pub async fn close(mut self) {
+        if self.closed.is_some() {
+            return;
+        }
+        let close = AMQPFrame::Method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: 200,
+                reply_text: ShortString::from("pgoutbox done"),
+                class_id: 0,
+                method_id: 0,
+            })),
+        );
+        let mut out = Vec::with_capacity(64);
+        if wire::encode(&mut out, &close).is_err()
+            || self.socket.write_all(&out).await.is_err()
+            || self.socket.flush().await.is_err()
+        {
+            return;
+        }
+        read_until_close_ok(&mut self.socket, self.buf, self.frame_max).await;
     }
 }
 

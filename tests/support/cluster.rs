@@ -62,6 +62,7 @@ impl RabbitCluster {
             home: Some(home),
             extra_erl_args: ERL_ARGS.into(),
             name: Some("pgoutbox-cluster".into()),
+            plugins: None,
         };
         let nodes: Vec<RabbitMq> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)

@@ -47,7 +47,15 @@ pub struct NodeOptions {
     pub extra_erl_args: String,
     /// Node name prefix (default `pgoutbox-test`).
     pub name: Option<String>,
+    /// The plugins enabled from boot (its enabled-plugins file); default:
+    /// [`DEFAULT_PLUGINS`].
+    pub plugins: Option<Vec<String>>,
 }
+
+/// The plugins every node has from boot: the consistent-hash exchange of the partitions
+/// topology (issue 18) and `pgoutbox declare-topology` (issue 31), enabled through the
+/// node's enabled-plugins file so no test pays a restart or a `rabbitmq-plugins` call.
+pub const DEFAULT_PLUGINS: &[&str] = &["rabbitmq_consistent_hash_exchange"];
 
 static SHARED: OnceLock<RabbitMq> = OnceLock::new();
 
@@ -107,6 +115,15 @@ impl RabbitMq {
         RabbitMq::start_new(true, "")
     }
 
+    /// A private node with exactly `plugins` enabled from boot (none: `&[]`).
+    pub fn start_private_with_plugins(plugins: &[&str]) -> RabbitMq {
+        let options = NodeOptions {
+            plugins: Some(plugins.iter().map(|p| (*p).to_owned()).collect()),
+            ..NodeOptions::default()
+        };
+        RabbitMq::start_node(true, &options, &[])
+    }
+
     /// A private node with extra `rabbitmq.conf` lines (e.g. `max_message_size = 1048576`).
     pub fn start_private_with(extra_conf: &str) -> RabbitMq {
         RabbitMq::start_new(true, extra_conf)
@@ -163,19 +180,28 @@ impl RabbitMq {
             std::fs::create_dir_all(r.root.join(d)).expect("mkdir");
         }
         set_mode(&r.root.join("home"), 0o700);
-        // The consistent-hash exchange for the partitions topology (issue 18); nothing else.
+        let plugins = options
+            .plugins
+            .clone()
+            .unwrap_or_else(|| DEFAULT_PLUGINS.iter().map(|p| (*p).to_owned()).collect());
         std::fs::write(
             r.root.join("enabled_plugins"),
-            "[rabbitmq_consistent_hash_exchange].\n",
+            format!("[{}].\n", plugins.join(",")),
         )
         .unwrap();
         std::fs::write(r.root.join("rabbitmq-env.conf"), "").unwrap();
         for (name, contents) in files {
             std::fs::write(r.root.join(name), contents).expect("write node file");
         }
-        let extra_conf = options
+        let mut extra_conf = options
             .extra_conf
             .replace("{root}", &r.root.display().to_string());
+        // A node of its own is its own cluster: named after the node, as RabbitMQ's default
+        // would be with the machine's host name, so that `declare-topology` names this node
+        // in the command that enables a plugin (it reads cluster_name).
+        if options.epmd_port.is_none() {
+            extra_conf.push_str(&format!("\ncluster_name = {}", r.nodename));
+        }
         std::fs::write(
             r.root.join("rabbitmq.conf"),
             format!(
@@ -310,6 +336,17 @@ impl RabbitMq {
             .stdin(Stdio::null())
             .output()
             .expect("spawn rabbitmqctl")
+    }
+
+    /// Run `rabbitmq-plugins ARGS` against this node, with its environment (node name, epmd
+    /// port, cookie, enabled-plugins file); returns the raw output.
+    pub fn plugins(&self, args: &[&str]) -> Output {
+        Command::new(self.bin.join("rabbitmq-plugins"))
+            .envs(self.env())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("spawn rabbitmq-plugins")
     }
 
     /// Like [`RabbitMq::ctl`] but panics (with stderr) on failure; returns stdout.
