@@ -7,6 +7,14 @@
 //! exits after COUNT messages or TIMEOUT_S seconds without one (defaults: pgoutbox,
 //! pgoutbox-demo, unlimited, 10).
 //!
+//! `--queues Q1,Q2,...` consumes those queues instead, declaring nothing: the quorum queues
+//! of `pgoutbox declare-topology` (behind the consistent-hash exchange, each with a single
+//! active consumer). Start this twice with the same queues and the second stands by: RabbitMQ
+//! delivers each queue to one consumer at a time and hands it to the other when the first
+//! goes away. Each line then starts with the queue and names the aggregate
+//! (`x-pgoutbox-aggregate-id`); EXCHANGE and QUEUE are not given (COUNT and TIMEOUT_S
+//! follow AMQP_URL).
+//!
 //! Exit status: 0 when COUNT messages arrived (or, with no COUNT, when TIMEOUT_S passed
 //! without a message); 1 when the broker could not be reached or the connection was lost,
 //! or when TIMEOUT_S passed before COUNT messages; 2 on a usage error.
@@ -16,13 +24,17 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
-const USAGE: &str = "usage: consume [--properties] AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]";
+const USAGE: &str = "usage: consume [--properties] AMQP_URL [EXCHANGE] [QUEUE] [COUNT] [TIMEOUT_S]\n       consume [--properties] --queues Q1,Q2,... AMQP_URL [COUNT] [TIMEOUT_S]";
+
+/// The prefetch of each queue's consumer under `--queues`: what a killed consumer returns to
+/// its queue at most (RabbitMQ delivers it to the consumer that takes over first).
+const PREFETCH: u16 = 32;
 
 /// Whether each message's properties and headers are printed too (`--properties`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +54,18 @@ fn main() -> ExitCode {
         }
         None => Detail::Summary,
     };
+    let queues: Option<Vec<String>> = match args.iter().position(|a| a == "--queues") {
+        Some(i) if i + 1 < args.len() => {
+            let list = args.remove(i + 1);
+            args.remove(i);
+            Some(list.split(',').map(str::to_owned).collect())
+        }
+        Some(_) => {
+            eprintln!("consume: --queues needs a comma-separated list of queues; {USAGE}");
+            return ExitCode::from(2);
+        }
+        None => None,
+    };
     if let Some(flag) = args.iter().skip(1).find(|a| a.starts_with("--")) {
         eprintln!("consume: unknown flag {flag}; {USAGE}");
         return ExitCode::from(2);
@@ -54,6 +78,10 @@ fn main() -> ExitCode {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
+    // Under --queues there is no EXCHANGE and QUEUE: COUNT and TIMEOUT_S follow the URL.
+    if queues.is_some() {
+        args.splice(2..2, [String::new(), String::new()]);
+    }
     let exchange = args.get(2).cloned().unwrap_or_else(|| "pgoutbox".into());
     let queue = args
         .get(3)
@@ -83,15 +111,25 @@ fn main() -> ExitCode {
         }
     };
     let mut seen = 0u64;
-    let result = runtime.block_on(consume(
-        &url,
-        &exchange,
-        &queue,
-        count.unwrap_or(u64::MAX),
-        timeout,
-        detail,
-        &mut seen,
-    ));
+    let result = match &queues {
+        Some(queues) => runtime.block_on(consume_queues(
+            &url,
+            queues,
+            count.unwrap_or(u64::MAX),
+            timeout,
+            detail,
+            &mut seen,
+        )),
+        None => runtime.block_on(consume(
+            &url,
+            &exchange,
+            &queue,
+            count.unwrap_or(u64::MAX),
+            timeout,
+            detail,
+            &mut seen,
+        )),
+    };
     match result {
         Ok(()) if count.is_some_and(|c| seen < c) => {
             eprintln!(
@@ -168,42 +206,123 @@ async fn consume(
             break;
         };
         let delivery = delivery.map_err(|e| format!("lost the RabbitMQ connection: {e}"))?;
-        let header = |k: &str| {
-            delivery
-                .properties
-                .headers()
-                .as_ref()
-                .and_then(|h| h.inner().get(k).cloned())
-                .map(|v| match v {
-                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                    other => format!("{other:?}"),
-                })
-                .unwrap_or_default()
-        };
-        println!(
-            "{} id={} lsn={} commit_lsn={} body={}",
-            delivery.routing_key,
-            delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.as_str())
-                .unwrap_or("-"),
-            header("x-pgoutbox-lsn"),
-            header("x-pgoutbox-commit-lsn"),
-            String::from_utf8_lossy(&delivery.data)
-        );
-        if detail == Detail::Properties {
-            print_properties(&delivery.properties);
-        }
-        delivery
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(|e| format!("lost the RabbitMQ connection while acking: {e}"))?;
+        print_and_ack(None, &delivery, detail).await?;
         *seen += 1;
     }
     println!("received {seen} messages");
     Ok(())
+}
+
+/// Consumes the existing `queues` on one channel (one consumer each, prefetch
+/// [`PREFETCH`]), printing each message with its queue; counts them in `seen`.
+///
+/// # Errors
+/// A sentence naming what failed: the connection, a queue, or the stream.
+async fn consume_queues(
+    url: &str,
+    queues: &[String],
+    count: u64,
+    timeout: Duration,
+    detail: Detail,
+    seen: &mut u64,
+) -> Result<(), String> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("cannot connect to RabbitMQ at {}: {e}", redact(url)))?;
+    let ch = conn
+        .create_channel()
+        .await
+        .map_err(|e| format!("opening a channel: {e}"))?;
+    ch.basic_qos(PREFETCH, BasicQosOptions::default())
+        .await
+        .map_err(|e| format!("setting the prefetch: {e}"))?;
+    let mut consumers = Vec::with_capacity(queues.len());
+    for (i, queue) in queues.iter().enumerate() {
+        let consumer = ch
+            .basic_consume(
+                queue.as_str().into(),
+                format!("demo-{i}").into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                format!(
+                    "consuming queue {queue} (declare it with `pgoutbox declare-topology`): {e}"
+                )
+            })?;
+        consumers.push(consumer.map(move |d| (i, d)));
+    }
+    println!(
+        "consuming from queues {} (each delivers to one consumer at a time)",
+        queues.join(",")
+    );
+    let mut deliveries = futures::stream::select_all(consumers);
+    while *seen < count {
+        let Ok(Some((i, delivery))) = tokio::time::timeout(timeout, deliveries.next()).await else {
+            break;
+        };
+        let delivery = delivery.map_err(|e| format!("lost the RabbitMQ connection: {e}"))?;
+        print_and_ack(Some(&queues[i]), &delivery, detail).await?;
+        *seen += 1;
+    }
+    println!("received {seen} messages");
+    Ok(())
+}
+
+/// Prints one line for `delivery` (with its queue, when several are consumed), its
+/// properties under `--properties`, then acks it.
+///
+/// # Errors
+/// A sentence when the ack cannot be sent.
+async fn print_and_ack(
+    queue: Option<&str>,
+    delivery: &lapin::message::Delivery,
+    detail: Detail,
+) -> Result<(), String> {
+    let header = |k: &str| {
+        delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(k).cloned())
+            .map(|v| match v {
+                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                other => format!("{other:?}"),
+            })
+            .unwrap_or_default()
+    };
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str())
+        .unwrap_or("-");
+    match queue {
+        None => println!(
+            "{} id={id} lsn={} commit_lsn={} body={}",
+            delivery.routing_key,
+            header("x-pgoutbox-lsn"),
+            header("x-pgoutbox-commit-lsn"),
+            String::from_utf8_lossy(&delivery.data)
+        ),
+        Some(queue) => println!(
+            "{queue} {} id={id} aggregate={} lsn={} commit_lsn={} body={}",
+            delivery.routing_key,
+            header("x-pgoutbox-aggregate-id"),
+            header("x-pgoutbox-lsn"),
+            header("x-pgoutbox-commit-lsn"),
+            String::from_utf8_lossy(&delivery.data)
+        ),
+    }
+    if detail == Detail::Properties {
+        print_properties(&delivery.properties);
+    }
+    delivery
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("lost the RabbitMQ connection while acking: {e}"))
 }
 
 /// Prints every property of `p` that is set, then every header with its AMQP type, one per

@@ -10,7 +10,7 @@
 //! ```text
 //! cargo run --example inbox_consumer -- \
 //!     --database-url postgres://app@localhost/app --amqp-url amqp://localhost:5672 \
-//!     --queue billing [--consumer billing] [--prefetch 32] [--max-deliveries 5] [--work-ms 0]
+//!     --queue billing [--queue billing-2 ...] [--consumer billing] [--prefetch 32] [--max-deliveries 5] [--work-ms 0]
 //! ```
 //!
 //! On start it installs `sql/inbox.sql` and its two tables if missing (under an advisory lock,
@@ -51,9 +51,12 @@ struct Args {
     /// RabbitMQ URL (amqp:// only).
     #[arg(long, env = "INBOX_AMQP_URL")]
     amqp_url: String,
-    /// The queue to consume; it must exist, with a dead-letter exchange.
-    #[arg(long, env = "INBOX_QUEUE")]
-    queue: String,
+    /// The queue to consume; it must exist, with a dead-letter exchange. Repeat it (or
+    /// separate names with commas) to consume several, e.g. the quorum queues of `pgoutbox
+    /// declare-topology`: each has a single active consumer, so a second process started
+    /// with the same queues stands by and takes over a queue when the first goes away.
+    #[arg(long, env = "INBOX_QUEUE", required = true, value_delimiter = ',')]
+    queue: Vec<String>,
     /// The inbox's consumer name.
     #[arg(long, default_value = "inbox-example")]
     consumer: String,
@@ -159,7 +162,7 @@ async fn consume(args: Args) -> Result<pgoutbox::inbox::InboxStats, HandlerError
 
     let amqp = Connection::connect(&args.amqp_url, ConnectionProperties::default()).await?;
     let channel = amqp.create_channel().await?;
-    let mut config = InboxConfig::new(args.consumer, args.queue);
+    let mut config = InboxConfig::with_queues(args.consumer, args.queue);
     config.prefetch = args.prefetch;
     config.max_deliveries = args.max_deliveries;
     let handler = Credit {

@@ -105,9 +105,13 @@ pub struct InboxConfig {
     /// The consumer's name, the first part of the inbox key: one per consuming service (two
     /// services consuming the same events each apply them once). Not empty.
     pub consumer: String,
-    /// The queue to consume from. It must exist (the inbox does not declare it) and should
-    /// have a dead-letter exchange. Not empty, at most 255 bytes.
-    pub queue: String,
+    /// The queues to consume from, on the one channel (one consumer on each; deliveries are
+    /// handled one at a time, each queue's in its order). Each must exist (the inbox does not
+    /// declare it) and should have a dead-letter exchange; names of 1 to 255 bytes, at least
+    /// one, none twice. Several queues: the consistent-hash topology of `pgoutbox
+    /// declare-topology`, whose quorum queues have a single active consumer, so that several
+    /// inbox processes on the same queues stand by for each other queue by queue.
+    pub queues: Vec<String>,
     /// `basic.qos` prefetch count, in messages, at least 1 ([`DEFAULT_PREFETCH`]).
     pub prefetch: u16,
     /// Attempts, the first delivery included, before a message whose handler keeps failing is
@@ -117,11 +121,19 @@ pub struct InboxConfig {
 }
 
 impl InboxConfig {
-    /// A configuration with the default prefetch and delivery bound.
+    /// A configuration for one queue with the default prefetch and delivery bound.
     pub fn new(consumer: impl Into<String>, queue: impl Into<String>) -> InboxConfig {
+        InboxConfig::with_queues(consumer, [queue])
+    }
+
+    /// A configuration for several queues with the default prefetch and delivery bound.
+    pub fn with_queues<Q: Into<String>>(
+        consumer: impl Into<String>,
+        queues: impl IntoIterator<Item = Q>,
+    ) -> InboxConfig {
         InboxConfig {
             consumer: consumer.into(),
-            queue: queue.into(),
+            queues: queues.into_iter().map(Into::into).collect(),
             prefetch: DEFAULT_PREFETCH,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
         }
@@ -146,12 +158,24 @@ impl InboxConfig {
                 "name the consuming service, e.g. \"billing\"; it keys the inbox",
             );
         }
-        if self.queue.is_empty() || self.queue.len() > 255 {
-            return bad(
-                "queue",
-                format!("{} bytes", self.queue.len()),
-                "name an existing queue of 1 to 255 bytes",
-            );
+        if self.queues.is_empty() {
+            return bad("queues", "none".into(), "name at least one existing queue");
+        }
+        for (i, queue) in self.queues.iter().enumerate() {
+            if queue.is_empty() || queue.len() > 255 {
+                return bad(
+                    "queues",
+                    format!("{} bytes", queue.len()),
+                    "name existing queues of 1 to 255 bytes",
+                );
+            }
+            if self.queues[..i].contains(queue) {
+                return bad(
+                    "queues",
+                    queue.clone(),
+                    "name each queue once (a second consumer on it in the same channel would only compete with the first)",
+                );
+            }
         }
         if self.prefetch == 0 {
             return bad(
@@ -410,19 +434,31 @@ impl<H: Handler> Inbox<H> {
             .basic_qos(self.config.prefetch, BasicQosOptions::default())
             .await
             .map_err(amqp("setting the prefetch (basic.qos)"))?;
-        let mut consumer = self
-            .channel
-            .basic_consume(
-                self.config.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp("starting to consume (basic.consume)"))?;
+        // One consumer per queue on the channel, merged: each yields its deliveries, then a
+        // `None` when it ends (the broker cancelled it).
+        let mut consumers = Vec::with_capacity(self.config.queues.len());
+        for (i, queue) in self.config.queues.iter().enumerate() {
+            let consumer = self
+                .channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp("starting to consume (basic.consume)"))?;
+            consumers.push(
+                consumer
+                    .map(move |d| (i, Some(d)))
+                    .chain(futures::stream::iter([(i, None)]))
+                    .boxed(),
+            );
+        }
+        let mut deliveries = futures::stream::select_all(consumers);
         tracing::info!(
             consumer = %self.config.consumer,
-            queue = %self.config.queue,
+            queues = %self.config.queues.join(","),
             prefetch = self.config.prefetch,
             max_deliveries = self.config.max_deliveries,
             "inbox consuming"
@@ -434,30 +470,36 @@ impl<H: Handler> Inbox<H> {
                 // PRIORITY 1: a requested stop, checked between deliveries only.
                 // Cancel safety: the caller's future, polled by reference.
                 () = &mut shutdown => break,
-                // PRIORITY 2: the next delivery. Cancel safety: `Consumer::next` takes a
-                // delivery out of the consumer's buffer only when it returns it.
-                next = consumer.next() => next,
+                // PRIORITY 2: the next delivery of any queue. Cancel safety: `SelectAll::next`
+                // takes an item out of a consumer's buffer only when it returns it.
+                next = deliveries.next() => next,
             };
-            let delivery = match delivery {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(source)) => {
+            let (i, delivery) = match delivery {
+                Some((i, Some(Ok(delivery)))) => (i, delivery),
+                Some((_, Some(Err(source)))) => {
                     return Err(Error::Amqp {
                         context: "receiving deliveries",
                         source,
                     })
                 }
+                Some((i, None)) => {
+                    return Err(Error::Cancelled {
+                        queue: self.config.queues[i].clone(),
+                    })
+                }
                 None => {
                     return Err(Error::Cancelled {
-                        queue: self.config.queue.clone(),
+                        queue: self.config.queues.join(","),
                     })
                 }
             };
-            let outcome = self.process(delivery).await?;
+            let queue = self.config.queues[i].clone();
+            let outcome = self.process(delivery, &queue).await?;
             self.stats.count(&outcome);
         }
         tracing::info!(
             consumer = %self.config.consumer,
-            queue = %self.config.queue,
+            queues = %self.config.queues.join(","),
             applied = self.stats.applied,
             duplicates = self.stats.duplicates,
             requeued = self.stats.requeued,
@@ -468,13 +510,13 @@ impl<H: Handler> Inbox<H> {
     }
 
     /// Claims, handles, commits and then settles one delivery.
-    async fn process(&mut self, delivery: Delivery) -> Result<Outcome, Error> {
+    async fn process(&mut self, delivery: Delivery, queue: &str) -> Result<Outcome, Error> {
         let message_id = match delivery.properties.message_id() {
             Some(id) if !id.as_str().is_empty() => id.as_str().to_owned(),
             _ => {
                 tracing::error!(
                     consumer = %self.config.consumer,
-                    queue = %self.config.queue,
+                    queue = %queue,
                     routing_key = %delivery.routing_key,
                     "inbox: delivery without a message-id property, rejected (to the dead-letter exchange, if the queue has one): it cannot be applied exactly once"
                 );
@@ -590,7 +632,7 @@ impl<H: Handler> Inbox<H> {
             Some(Err(error)) if attempt >= self.config.max_deliveries => {
                 tracing::error!(
                     consumer = %self.config.consumer,
-                    queue = %self.config.queue,
+                    queue = %queue,
                     message_id = %message.message_id,
                     attempt,
                     error = %error,
@@ -735,8 +777,13 @@ mod tests {
         assert!(good.validate().is_ok());
         for (config, setting) in [
             (InboxConfig::new("", "q"), "consumer"),
-            (InboxConfig::new("c", ""), "queue"),
-            (InboxConfig::new("c", "q".repeat(256)), "queue"),
+            (InboxConfig::new("c", ""), "queues"),
+            (InboxConfig::new("c", "q".repeat(256)), "queues"),
+            (
+                InboxConfig::with_queues("c", Vec::<String>::new()),
+                "queues",
+            ),
+            (InboxConfig::with_queues("c", ["a", "b", "a"]), "queues"),
             (
                 InboxConfig {
                     prefetch: 0,

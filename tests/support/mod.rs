@@ -340,3 +340,48 @@ pub(crate) fn described<'a>(text: &'a str, key: &str) -> &'a str {
         .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
         .unwrap_or_else(|| panic!("no {key} in the shared server's description:\n{text}"))
 }
+
+/// The example binary `name` (`target/debug/examples/NAME`), built once per test process
+/// when it is older than this test binary (`cargo test --no-run`, as deploy/test.sh runs it,
+/// builds the examples with the tests, so normally it is used as it is: a `cargo build` here
+/// would wait for the target directory's lock while another cargo holds it).
+pub fn example_binary(name: &str) -> PathBuf {
+    static BUILT: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, path)) = built.iter().find(|(n, _)| n == name) {
+        return path.clone();
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/debug/deps/main-HASH -> target/debug/examples/NAME
+    let path = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let fresh = matches!((modified(&path), modified(&exe)), (Some(e), Some(t)) if e >= t);
+    if !fresh {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        // Without the CARGO_* variables cargo set for this test process: build scripts
+        // track them, and would rebuild under other values.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if (k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_TARGET_DIR")
+                || k == "OUT_DIR"
+            {
+                build.env_remove(k);
+            }
+        }
+        let status = build
+            .args(["build", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo build --example");
+        assert!(status.success(), "cargo build --example {name} failed");
+        assert!(path.exists(), "{} missing", path.display());
+    }
+    built.push((name.to_owned(), path.clone()));
+    path
+}
