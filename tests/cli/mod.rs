@@ -837,6 +837,27 @@ async fn printing_commands_end_quietly_on_a_closed_pipe() {
     for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
         cases.push(("completions", vec!["completions".into(), shell.into()]));
     }
+    let hash = crate::support::unique("cli_epipe_hash");
+    let queues = crate::support::unique("cli_epipe_q");
+    cases.push((
+        "declare-topology",
+        [
+            "declare-topology",
+            "--amqp-url",
+            &amqp,
+            "--exchange",
+            &ob.exchange,
+            "--hash-exchange",
+            &hash,
+            "--queue-prefix",
+            &queues,
+            "--queues",
+            "2",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    ));
     cases.push((
         "teardown",
         db(
