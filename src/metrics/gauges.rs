@@ -119,6 +119,19 @@ impl Gauges {
             .set(as_gauge(turn.server_wal_end.saturating_sub(turn.flush_lsn)));
     }
 
+    /// The server's WAL end read between sessions: the WAL end gauge takes it, and the lag
+    /// is measured from the flush LSN last reported.
+    pub fn set_server_wal_end(&self, wal_end: u64) {
+        self.server_wal_end.set(as_gauge(wal_end));
+        self.lag
+            .set(as_gauge(wal_end.saturating_sub(self.flush_lsn())));
+    }
+
+    /// The flush LSN last reported, as a number.
+    pub fn flush_lsn(&self) -> u64 {
+        u64::try_from(self.flush_lsn.get()).unwrap_or(0)
+    }
+
     /// Messages not settled, as of the last turn.
     pub fn unconfirmed(&self) -> i64 {
         self.unconfirmed.get()

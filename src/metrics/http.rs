@@ -90,6 +90,7 @@ async fn readyz_handler(axum::extract::State(t): Shared) -> impl axum::response:
                 "holder": t.holder(),
                 "unconfirmed": t.unconfirmed(),
                 "oldest_unconfirmed_age_s": t.oldest_unconfirmed_age(),
+                "partitions_disconnected": t.disconnected(),
             }),
         ),
     }

@@ -308,15 +308,47 @@ impl Telemetry {
         self.probe.phase()
     }
 
-    /// The flag the publisher's event watcher sets while RabbitMQ blocks the connection.
-    pub fn broker_blocked_flag(&self) -> Arc<AtomicBool> {
-        self.probe.broker_blocked_flag()
+    /// Sets how many broker connections a session has (`--partitions`).
+    pub fn set_partitions(&self, n: usize) {
+        self.probe.set_partitions(n);
     }
 
-    /// The flag the publisher's event watcher sets when the broker connection or channel
-    /// fails.
-    pub fn broker_lost_flag(&self) -> Arc<AtomicBool> {
-        self.probe.broker_lost_flag()
+    /// The flags broker connection `i`'s publisher writes: `(blocked, lost)` (`None` past
+    /// [`crate::partition::MAX_PARTITIONS`]). `lost` is true until the connection opens.
+    pub fn connection_flags(&self, i: usize) -> Option<(Arc<AtomicBool>, Arc<AtomicBool>)> {
+        self.probe.connection_flags(i)
+    }
+
+    /// The partitions whose broker connection is not open now.
+    pub fn disconnected(&self) -> Vec<usize> {
+        self.probe.disconnected()
+    }
+
+    /// A session's broker connections were closed, or a connect did not open them all:
+    /// every partition reads disconnected, unblocked and with nothing unsettled.
+    pub fn connections_closed(&self) {
+        self.probe.connections_closed();
+        for i in 0..self.probe.partitions() {
+            self.partitions.set(
+                i,
+                PartTurn {
+                    published: 0,
+                    unsettled: 0,
+                },
+            );
+        }
+    }
+
+    /// The server's end of WAL, read by the driver between sessions (`pg_current_wal_lsn()`,
+    /// as a number): the WAL end and lag gauges follow it while no session streams.
+    pub fn set_server_wal_end(&self, wal_end: u64) {
+        self.gauges.set_server_wal_end(wal_end);
+    }
+
+    /// The flush LSN last reported to Postgres, as a number (0 before the first session
+    /// reported one).
+    pub fn flush_lsn_reported(&self) -> u64 {
+        self.gauges.flush_lsn()
     }
 
     /// Partition `i`'s figures of one turn (`pgoutbox_partition_*`).
@@ -398,7 +430,7 @@ impl Telemetry {
         self.probe.is_stalled(self.unconfirmed())
     }
 
-    /// Whether RabbitMQ blocks the connection.
+    /// Whether RabbitMQ blocks any of the connections.
     pub fn is_broker_blocked(&self) -> bool {
         self.probe.is_broker_blocked()
     }
@@ -426,6 +458,10 @@ impl Telemetry {
     /// The text exposition (OpenMetrics), derived gauges computed now.
     pub fn encode(&self) -> String {
         self.gauges.set_derived(&self.probe);
+        for i in 0..self.probe.partitions() {
+            self.partitions
+                .set_connection(i, self.probe.is_connected(i), self.probe.is_blocked(i));
+        }
         let mut text = String::new();
         if prometheus_client::encoding::text::encode(&mut text, &self.registry).is_err() {
             text.clear();
@@ -523,11 +559,63 @@ mod tests {
         assert!(t.encode().contains("pgoutbox_role{role=\"active\"} 1"));
     }
 
+    /// Issue 31 item 2: the per-partition gauges are read from each connection's flags at
+    /// scrape time (they were written once per turn of a session, and froze between
+    /// sessions), and one partition's unblock no longer clears another's block.
+    #[test]
+    fn partition_gauges_are_true_when_scraped() {
+        let t = Telemetry::new(Duration::from_secs(60));
+        t.set_partitions(4);
+        let flags: Vec<_> = (0..4).map(|i| t.connection_flags(i).unwrap()).collect();
+        for (_, lost) in &flags {
+            lost.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        t.session_started();
+        assert_eq!(t.readiness(), Readiness::Ready);
+        flags[1].0.store(true, std::sync::atomic::Ordering::Relaxed);
+        flags[2].0.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert!(t.is_broker_blocked(), "partition 1 is still blocked");
+        flags[3].1.store(true, std::sync::atomic::Ordering::Relaxed);
+        let text = t.encode();
+        assert!(text.contains("pgoutbox_partition_connected{partition=\"3\"} 0"), "{text}");
+        assert!(text.contains("pgoutbox_partition_connected{partition=\"2\"} 1"), "{text}");
+        assert!(text.contains("pgoutbox_partition_blocked{partition=\"1\"} 1"), "{text}");
+        assert_eq!(t.disconnected(), [3]);
+        assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
+        t.connections_closed();
+        let text = t.encode();
+        for i in 0..4 {
+            assert!(
+                text.contains(&format!("pgoutbox_partition_connected{{partition=\"{i}\"}} 0")),
+                "{text}"
+            );
+        }
+        assert!(!t.is_broker_blocked());
+        // Between sessions the WAL end read by the driver moves the lag.
+        t.turn(
+            &Turn {
+                flush_lsn: 400,
+                server_wal_end: 1000,
+                ..Turn::default()
+            },
+            &mut LatencyBatch::default(),
+        );
+        t.set_server_wal_end(5000);
+        assert!(t.encode().contains("pgoutbox_replication_lag_bytes 4600"));
+    }
+
     #[test]
     fn readiness_names_the_reason() {
         let t = Telemetry::new(Duration::from_millis(0));
         assert_eq!(t.readiness(), Readiness::NotReady("connecting"));
+        let (blocked, lost) = t.connection_flags(0).unwrap();
         t.session_started();
+        assert_eq!(
+            t.readiness(),
+            Readiness::NotReady("broker_disconnected"),
+            "no connection opened yet"
+        );
+        lost.store(false, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(t.readiness(), Readiness::Ready);
         t.turn(
             &Turn {
@@ -537,11 +625,9 @@ mod tests {
             &mut LatencyBatch::default(),
         );
         assert_eq!(t.readiness(), Readiness::NotReady("stalled"));
-        t.broker_blocked_flag()
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        blocked.store(true, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(t.readiness(), Readiness::NotReady("broker_blocked"));
-        t.broker_lost_flag()
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        lost.store(true, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
         t.set_phase(Phase::Draining);
         assert_eq!(t.readiness(), Readiness::NotReady("draining"));

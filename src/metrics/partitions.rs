@@ -2,8 +2,11 @@
 //! without `--partitions` has one partition, `0`): publishes made, messages unsettled and the
 //! connection's state, one series each per partition connection.
 //!
-//! The loop writes them once per turn from the sink's parts (`crate::sink::Sink::parts`, read
-//! by the pipeline: this module sees plain numbers only). Partition `0` is registered at 0
+//! The loop writes publishes and unsettled counts once per turn from the sink's parts
+//! (`crate::sink::Sink::parts`, read by the pipeline: this module sees plain numbers only);
+//! the driver sets the unsettled counts to 0 once a session's connections are closed.
+//! `connected` and `blocked` are read from each connection's own flags when a scrape asks
+//! (`super::Probe`), so they are true between sessions too. Partition `0` is registered at 0
 //! from the start, so a scrape and the generated reference show the families before the
 //! first session.
 
@@ -35,17 +38,14 @@ fn label(i: usize) -> ByPartition {
     [("partition", i.to_string())]
 }
 
-/// One partition's figures for a turn.
+/// One partition's figures for a turn (its connection's state is read from the connection's
+/// own flags when a scrape asks: [`Partitions::set_connection`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartTurn {
     /// Publishes made on it since the last turn.
     pub published: u64,
     /// Publishes unsettled on it now.
     pub unsettled: u64,
-    /// Its connection is open.
-    pub connected: bool,
-    /// RabbitMQ blocks its connection.
-    pub blocked: bool,
 }
 
 /// The per-partition families; clones share the values.
@@ -95,9 +95,12 @@ impl Partitions {
         self.unsettled
             .get_or_create(&at)
             .set(i64::try_from(turn.unsettled).unwrap_or(i64::MAX));
-        self.connected
-            .get_or_create(&at)
-            .set(i64::from(turn.connected));
-        self.blocked.get_or_create(&at).set(i64::from(turn.blocked));
+    }
+
+    /// Partition `i`'s connection state now (from its flags, when a scrape asks).
+    pub fn set_connection(&self, i: usize, connected: bool, blocked: bool) {
+        let at = label(i);
+        self.connected.get_or_create(&at).set(i64::from(connected));
+        self.blocked.get_or_create(&at).set(i64::from(blocked));
     }
 }

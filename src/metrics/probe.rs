@@ -1,8 +1,10 @@
 //! What `/healthz` and `/readyz` answer from: the driver's phase, this process's role on
-//! the slot, the loop's heartbeat, the stall clock and the broker's flags. Atomics written
-//! by the driver, the loop and the publisher's watcher; read when a probe or a scrape asks.
+//! the slot, the loop's heartbeat, the stall clock and each broker connection's flags.
+//! Atomics written by the driver, the loop and each connection's publisher; read when a
+//! probe or a scrape asks, so what they answer is true at that moment, between sessions
+//! too.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -119,8 +121,30 @@ pub struct Probe {
     /// messages became unconfirmed with none before).
     progress_at_ms: AtomicU64,
     phase: AtomicU8,
-    broker_blocked: Arc<AtomicBool>,
-    broker_lost: Arc<AtomicBool>,
+    /// Per broker connection (partition `i`; one connection is partition 0), up to
+    /// [`crate::partition::MAX_PARTITIONS`]: written by its publisher.
+    connections: Vec<ConnectionFlags>,
+    /// How many connections a session has (`--partitions`): the flags read.
+    partitions: AtomicUsize,
+}
+
+/// One broker connection's flags, shared with its publisher (`BrokerSignals`).
+#[derive(Debug)]
+struct ConnectionFlags {
+    /// True while the broker blocks the connection (`connection.blocked`).
+    blocked: Arc<AtomicBool>,
+    /// True while there is no open connection: from the start, once it failed, and once
+    /// its session ended; false from the moment it opened.
+    lost: Arc<AtomicBool>,
+}
+
+impl ConnectionFlags {
+    fn new() -> Self {
+        ConnectionFlags {
+            blocked: Arc::new(AtomicBool::new(false)),
+            lost: Arc::new(AtomicBool::new(true)),
+        }
+    }
 }
 
 /// Milliseconds since `base`, saturating.
@@ -141,8 +165,10 @@ impl Probe {
             status_at_ms: AtomicU64::new(u64::MAX),
             progress_at_ms: AtomicU64::new(0),
             phase: AtomicU8::new(Phase::Connecting as u8),
-            broker_blocked: Arc::new(AtomicBool::new(false)),
-            broker_lost: Arc::new(AtomicBool::new(false)),
+            connections: (0..crate::partition::MAX_PARTITIONS)
+                .map(|_| ConnectionFlags::new())
+                .collect(),
+            partitions: AtomicUsize::new(1),
         }
     }
 
@@ -190,21 +216,57 @@ impl Probe {
             .clone()
     }
 
-    /// The flag the publisher's event watcher sets while RabbitMQ blocks the connection.
-    pub fn broker_blocked_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.broker_blocked)
+    /// Sets how many broker connections a session has (`--partitions`, 1 to
+    /// [`crate::partition::MAX_PARTITIONS`]; clamped).
+    pub fn set_partitions(&self, n: usize) {
+        self.partitions
+            .store(n.clamp(1, self.connections.len()), Ordering::Relaxed);
     }
 
-    /// The flag the publisher's event watcher sets when the broker connection or channel
-    /// fails.
-    pub fn broker_lost_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.broker_lost)
+    /// How many broker connections a session has.
+    pub fn partitions(&self) -> usize {
+        self.partitions.load(Ordering::Relaxed)
     }
 
-    /// A session started streaming: the broker flags clear, the phase is streaming.
+    /// The flags of connection `i` for its publisher: `(blocked, lost)`, `None` past
+    /// [`crate::partition::MAX_PARTITIONS`].
+    pub fn connection_flags(&self, i: usize) -> Option<(Arc<AtomicBool>, Arc<AtomicBool>)> {
+        let c = self.connections.get(i)?;
+        Some((Arc::clone(&c.blocked), Arc::clone(&c.lost)))
+    }
+
+    /// Whether connection `i` is open now.
+    pub fn is_connected(&self, i: usize) -> bool {
+        self.connections
+            .get(i)
+            .is_some_and(|c| !c.lost.load(Ordering::Relaxed))
+    }
+
+    /// Whether the broker blocks connection `i` now.
+    pub fn is_blocked(&self, i: usize) -> bool {
+        self.connections
+            .get(i)
+            .is_some_and(|c| c.blocked.load(Ordering::Relaxed))
+    }
+
+    /// The connections (partition numbers) that are not open now.
+    pub fn disconnected(&self) -> Vec<usize> {
+        (0..self.partitions())
+            .filter(|&i| !self.is_connected(i))
+            .collect()
+    }
+
+    /// A session's connections were closed (or never all opened): none is open or
+    /// blocked, whatever their publishers last wrote.
+    pub fn connections_closed(&self) {
+        for c in &self.connections {
+            c.lost.store(true, Ordering::Relaxed);
+            c.blocked.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// A session started streaming: the phase is streaming.
     pub fn session_started(&self) {
-        self.broker_blocked.store(false, Ordering::Relaxed);
-        self.broker_lost.store(false, Ordering::Relaxed);
         self.set_phase(Phase::Streaming);
     }
 
@@ -252,9 +314,9 @@ impl Probe {
                 >= u64::try_from(self.stall_after.as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Whether RabbitMQ blocks the connection.
+    /// Whether RabbitMQ blocks any of the connections.
     pub fn is_broker_blocked(&self) -> bool {
-        self.broker_blocked.load(Ordering::Relaxed)
+        (0..self.partitions()).any(|i| self.is_blocked(i))
     }
 
     /// Time since the last beat.
@@ -275,7 +337,7 @@ impl Probe {
         if let Some(reason) = self.phase().reason() {
             return Readiness::NotReady(reason);
         }
-        if self.broker_lost.load(Ordering::Relaxed) {
+        if !self.disconnected().is_empty() {
             return Readiness::NotReady("broker_disconnected");
         }
         if self.is_broker_blocked() {

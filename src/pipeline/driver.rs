@@ -22,6 +22,7 @@ use super::retention::RetentionTask;
 use super::session::{self, Connected, SessionMemory, CLOSE_TIMEOUT};
 use super::sinks::{BrokerNodes, SinkChoice};
 use super::standby::note_role;
+use super::wal_watch::WalWatch;
 use super::RunSummary;
 use crate::config::{DatabaseConfig, RunConfig};
 use crate::error::Error;
@@ -188,6 +189,7 @@ pub async fn run(
     ));
     let telemetry = Telemetry::new(config.observability.stall_after);
     let _server = serve_http(&config, &telemetry).await?;
+    let _wal_watch = WalWatch::start(&pg, &telemetry);
     let mut memory = first_memory(&config);
     // Both background tasks have their own SQL session and never hold back the stream.
     // Retention starts once a session's pre-flight checks passed (see session::connect).
@@ -267,6 +269,8 @@ impl Sessions<'_> {
             let began = Instant::now();
             memory.streaming_since = None;
             let result = self.session(shutdown.clone(), memory, &mut summary).await;
+            // Whatever ended it, its broker connections are closed (or never all opened).
+            self.telemetry.connections_closed();
             if result.is_err() {
                 note_role(self.telemetry, &self.config.postgres.slot, Role::None, None);
             }
@@ -429,9 +433,7 @@ impl Sessions<'_> {
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, sink.close()).await;
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, stream.close()).await;
         dead_letters.stop();
-        self.telemetry
-            .broker_blocked_flag()
-            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.telemetry.connections_closed();
     }
 }
 

@@ -44,7 +44,7 @@ use crate::pgoutput::{self, Begin, Commit, LogicalMessage, Message};
 use crate::replication::session::ReplicationStream;
 use crate::replication::stream::{ReplicationMessage, StatusUpdateKind};
 use crate::routing::{Exchange, Router};
-use crate::sink::{recv_settled, PartHealth, PublishOutcome, Seq, Sink, SinkError, SinkFailure};
+use crate::sink::{recv_settled, PublishOutcome, Seq, Sink, SinkError, SinkFailure};
 use crate::stream_state::FlushGate;
 
 /// Frames handled per loop turn before confirms and timers get another look.
@@ -229,8 +229,6 @@ impl Core {
                 crate::metrics::PartTurn {
                     published,
                     unsettled: part.unsettled as u64,
-                    connected: part.health != PartHealth::Lost,
-                    blocked: part.health == PartHealth::Blocked,
                 },
             );
         }

@@ -64,6 +64,7 @@ mod sinks;
 mod standby;
 mod status;
 mod transaction;
+mod wal_watch;
 
 pub use driver::run;
 

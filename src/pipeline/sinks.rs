@@ -117,8 +117,12 @@ pub(super) enum SinkChoice {
     },
     /// `--partitions N` (N > 1): N such connections, each message to the one of its key.
     Partitioned {
-        /// Each part's connection settings (`amqp_url` and `connection_name` set per part).
+        /// Each part's connection settings (`amqp_url`, `connection_name` and `signals` set
+        /// per part).
         publisher: PublisherConfig,
+        /// Partition `i`'s flags for the metrics and readiness (its own, so one partition's
+        /// state never overwrites another's).
+        signals: Vec<BrokerSignals>,
         /// The message mapping, the same on every part.
         encoder: Encoder,
         /// N, 2 to [`crate::partition::MAX_PARTITIONS`].
@@ -129,9 +133,17 @@ pub(super) enum SinkChoice {
 }
 
 impl SinkChoice {
-    /// The sink `config` asks for; `telemetry` gets the connection's blocked and lost
+    /// The sink `config` asks for; `telemetry` gets each connection's blocked and lost
     /// flags.
     pub fn from_config(config: &RunConfig, telemetry: &Telemetry) -> Self {
+        let partitions = config.broker.partitions;
+        telemetry.set_partitions(usize::from(partitions.count));
+        let signals_of = |i: usize| {
+            let (blocked, lost) = telemetry
+                .connection_flags(i)
+                .unwrap_or_else(|| (Default::default(), Default::default()));
+            BrokerSignals { blocked, lost }
+        };
         let publisher = PublisherConfig {
             amqp_url: String::new(),
             exchange: config.broker.exchange.clone(),
@@ -140,19 +152,16 @@ impl SinkChoice {
                 ExchangeDeclare::Passive => Declare::Passive,
             },
             connection_name: format!("pgoutbox {}", config.observability.instance_id),
-            signals: BrokerSignals {
-                blocked: telemetry.broker_blocked_flag(),
-                lost: telemetry.broker_lost_flag(),
-            },
+            signals: signals_of(0),
         };
         let encoder = Encoder::new(
             config.publishing.publish_properties,
             config.publishing.cloudevents.clone(),
         );
         // The next sink is chosen here too: `--stream-url` gives `Stream`.
-        let partitions = config.broker.partitions;
         if partitions.count > 1 {
             return SinkChoice::Partitioned {
+                signals: (0..usize::from(partitions.count)).map(signals_of).collect(),
                 publisher,
                 encoder,
                 count: partitions.count,
@@ -181,10 +190,11 @@ impl SinkChoice {
             }
             SinkChoice::Partitioned {
                 publisher,
+                signals,
                 encoder,
                 count,
                 key,
-            } => connect_partitions(nodes, publisher, encoder, *count, *key).await,
+            } => connect_partitions(nodes, publisher, signals, encoder, *count, *key).await,
         }
     }
 }
@@ -195,6 +205,7 @@ impl SinkChoice {
 async fn connect_partitions(
     nodes: &BrokerNodes,
     publisher: &PublisherConfig,
+    signals: &[BrokerSignals],
     encoder: &Encoder,
     count: u16,
     key: PartitionKey,
@@ -204,6 +215,9 @@ async fn connect_partitions(
     for i in 0..usize::from(count) {
         let mut config = publisher.clone();
         config.connection_name = format!("{} partition {i}/{count}", publisher.connection_name);
+        if let Some(own) = signals.get(i) {
+            config.signals = own.clone();
+        }
         let (sink, node) = connect_amqp(nodes, i, config, encoder).await?;
         tracing::debug!(
             partition = i,

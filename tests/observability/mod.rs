@@ -644,6 +644,246 @@ async fn each_partition_has_its_own_series() {
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
 }
 
+/// The partitions a `/readyz` answer names as disconnected.
+fn disconnected(port: u16) -> Option<Vec<u64>> {
+    match readyz(port)? {
+        (503, body) => serde_json::from_str::<serde_json::Value>(&body)
+            .ok()?
+            .get("partitions_disconnected")?
+            .as_array()?
+            .iter()
+            .map(serde_json::Value::as_u64)
+            .collect(),
+        _ => None,
+    }
+}
+
+/// One streamer of the outage tests: its outbox, process, `--http-addr` port and partitions.
+struct Watched<'a> {
+    ob: Outbox<'a>,
+    streamer: Streamer,
+    port: u16,
+    partitions: usize,
+}
+
+impl<'a> Watched<'a> {
+    fn start(ob: Outbox<'a>, url: Option<String>, partitions: usize) -> Watched<'a> {
+        let port = support::free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let n = partitions.to_string();
+        let args = ["--http-addr", addr.as_str(), "--partitions", n.as_str()];
+        let streamer = match url {
+            Some(url) => ob.run_with_url(&url, &args),
+            None => ob.run(&args),
+        };
+        Watched {
+            ob,
+            streamer,
+            port,
+            partitions,
+        }
+    }
+
+    /// Emits `n` messages (keys spread over the partitions); returns the last one's LSN.
+    fn emit(&self, tag: &str, n: usize) {
+        self.ob.sql(&format!(
+            "SELECT count(outbox.emit('o', '{{}}', '{{}}', '{tag}-' || g, aggregate_id => 'agg-' || g)) FROM generate_series(1, {n}) g"
+        ));
+    }
+
+    /// Waits until every partition's `pgoutbox_partition_connected` reads `want`.
+    async fn connected_all(&self, want: f64) -> bool {
+        support::wait_until(scaled(Duration::from_secs(30)), || async {
+            let text = scrape(self.port);
+            (0..self.partitions).all(|i| {
+                sample(&text, &format!("pgoutbox_partition_connected{{partition=\"{i}\"}}"))
+                    == Some(want)
+            })
+        })
+        .await
+    }
+}
+
+/// Issue 31 item 2: through a broker outage the gauges stay true at every scrape, with one
+/// connection and with `--partitions 4`. They were written once per turn of a session's
+/// loop and froze between sessions: the age stayed 0.0 (or where it was), the lag at its last
+/// value while the slot's lag grew, and `pgoutbox_partition_connected` at 1.
+///
+/// Messages are in flight when the broker goes (the memory alarm holds them unconfirmed);
+/// then, with the broker stopped, every scrape shows the age of the oldest of them grown and
+/// the lag grown by the WAL written since (read between sessions from Postgres); every
+/// partition reads disconnected, and `/readyz` names them all. Nothing is lost afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gauges_stay_true_through_a_broker_outage() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::start_private();
+    let all = [
+        Watched::start(Outbox::new(pg, &rmq.url(), "obs_out_one").await, None, 1),
+        Watched::start(Outbox::new(pg, &rmq.url(), "obs_out_four").await, None, 4),
+    ];
+    for w in &all {
+        wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(30))).await;
+        assert!(w.connected_all(1.0).await, "{}", scrape(w.port));
+    }
+    rmq.block();
+    for w in &all {
+        w.emit("held", 8);
+    }
+    for w in &all {
+        let held = support::wait_until(scaled(Duration::from_secs(30)), || async {
+            metric(w.port, "pgoutbox_unconfirmed_messages") >= 1.0
+        })
+        .await;
+        assert!(held, "{}", stall_lines(&scrape(w.port)));
+    }
+    let t_stop = std::time::Instant::now();
+    rmq.stop_app();
+    let stop_took = t_stop.elapsed();
+    for w in &all {
+        assert!(
+            w.connected_all(0.0).await,
+            "partitions disconnected: {}\n{}",
+            scrape(w.port),
+            w.streamer.log()
+        );
+        eprintln!(
+            "{} partition(s): connected read 0 {:.1?} after stop_app began (stop_app took {stop_took:.1?})",
+            w.partitions,
+            t_stop.elapsed()
+        );
+        let named = support::wait_until(scaled(Duration::from_secs(30)), || async {
+            disconnected(w.port) == Some((0..w.partitions as u64).collect())
+        })
+        .await;
+        assert!(named, "/readyz names every partition: {:?}", readyz(w.port));
+        assert_eq!(not_ready_reason(w.port).as_deref(), Some("broker_disconnected"));
+    }
+    let mut last: Vec<(f64, f64)> = all
+        .iter()
+        .map(|w| {
+            let t = scrape(w.port);
+            (
+                sample(&t, "pgoutbox_oldest_unconfirmed_age_seconds").unwrap(),
+                sample(&t, "pgoutbox_replication_lag_bytes").unwrap(),
+            )
+        })
+        .collect();
+    for round in 0..4 {
+        for w in &all {
+            w.emit(&format!("during{round}"), 2);
+        }
+        for (w, (age, lag)) in all.iter().zip(last.iter_mut()) {
+            let mut now = (0.0, 0.0);
+            let grew = support::wait_until(scaled(Duration::from_secs(20)), || {
+                let t = scrape(w.port);
+                now = (
+                    sample(&t, "pgoutbox_oldest_unconfirmed_age_seconds").unwrap(),
+                    sample(&t, "pgoutbox_replication_lag_bytes").unwrap(),
+                );
+                let grew = now.0 > *age && now.1 > *lag;
+                async move { grew }
+            })
+            .await;
+            assert!(
+                grew,
+                "round {round}, {} partition(s): age {age} -> {}, lag {lag} -> {}\n{}",
+                w.partitions,
+                now.0,
+                now.1,
+                stall_lines(&scrape(w.port))
+            );
+            let text = scrape(w.port);
+            // The shipped alert rules' expressions, on this scrape: the age and lag grow
+            // (their thresholds are minutes and GiB), and a disconnected partition shows.
+            assert!(
+                (0..w.partitions).all(|i| sample(
+                    &text,
+                    &format!("pgoutbox_partition_connected{{partition=\"{i}\"}}")
+                ) == Some(0.0)),
+                "{text}"
+            );
+            assert_eq!(sample(&text, "pgoutbox_role{role=\"active\"}"), Some(0.0));
+            *age = now.0;
+            *lag = now.1;
+        }
+    }
+    eprintln!("through the outage (age s, lag bytes) at the last scrape: {last:?}");
+    rmq.start_app();
+    rmq.unblock();
+    for w in &all {
+        wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(60))).await;
+        assert!(w.connected_all(1.0).await, "{}", scrape(w.port));
+        let got = w.ob.drain(16, scaled(Duration::from_secs(60))).await;
+        let ids: std::collections::BTreeSet<_> =
+            got.iter().filter_map(|m| m.message_id.clone()).collect();
+        assert_eq!(ids.len(), 16, "nothing lost: {ids:?}");
+        let back = support::wait_until(scaled(Duration::from_secs(30)), || async {
+            metric(w.port, "pgoutbox_oldest_unconfirmed_age_seconds") == 0.0
+        })
+        .await;
+        assert!(back, "{}", stall_lines(&scrape(w.port)));
+    }
+    for w in all {
+        w.streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    }
+}
+
+/// Issue 31 item 2, the Postgres side: while the streamer's route to Postgres is cut (a
+/// proxy refuses its connections) the session ends, every partition's broker connection is
+/// closed and reads disconnected, `/readyz` says `replication_lost` naming them, and the
+/// seconds since the last status update grow at every scrape; the lag keeps its last reading
+/// (the server cannot be read from here, see `pipeline::wal_watch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gauges_stay_true_while_postgres_is_unreachable() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let proxy = support::Proxy::start(pg.port());
+    let mut all = Vec::new();
+    for (name, n) in [("obs_pgout_one", 1), ("obs_pgout_four", 4)] {
+        let ob = Outbox::new(pg, &rmq.url(), name).await;
+        let url = ob.streamer_url_via(proxy.port());
+        all.push(Watched::start(ob, Some(url), n));
+    }
+    for w in &all {
+        wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(30))).await;
+        w.emit("before", 4);
+        assert_eq!(w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(), 4);
+    }
+    proxy.refuse();
+    for w in &all {
+        assert!(
+            w.connected_all(0.0).await,
+            "partitions disconnected: {}\n{}",
+            scrape(w.port),
+            w.streamer.log()
+        );
+        let named = support::wait_until(scaled(Duration::from_secs(30)), || async {
+            disconnected(w.port) == Some((0..w.partitions as u64).collect())
+                && not_ready_reason(w.port).as_deref() == Some("replication_lost")
+        })
+        .await;
+        assert!(named, "/readyz: {:?}", readyz(w.port));
+    }
+    for w in &all {
+        let before = metric(w.port, "pgoutbox_since_status_update_seconds");
+        let grew = support::wait_until(scaled(Duration::from_secs(20)), || async {
+            metric(w.port, "pgoutbox_since_status_update_seconds") > before + 1.0
+        })
+        .await;
+        assert!(grew, "{}", stall_lines(&scrape(w.port)));
+    }
+    proxy.pass();
+    for w in &all {
+        wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(60))).await;
+        assert!(w.connected_all(1.0).await, "{}", scrape(w.port));
+        w.emit("after", 4);
+        assert_eq!(w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(), 4);
+    }
+    for w in all {
+        w.streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    }
+}
+
 /// Issue 21 item 11: `/healthz` turns 503 (`loop_not_turning`) once nothing beat for
 /// [`pgoutbox::metrics::HEALTH_STALE_AFTER`], and 200 again at the next beat.
 ///
