@@ -1193,8 +1193,13 @@ pub async fn health(
             schema.rewrite(&format!("cannot read outbox.dead_letter: {}", e.as_db_error().map(|d| d.message().to_owned()).unwrap_or_else(|| e.to_string()))).into_owned(),
         ),
     }
-    // Information only: never a problem, never the exit code.
+    // Information, unless a lockdown no longer holds: each weakening is a warning (as in
+    // `check`; `run` streams on and logs each as an error: crate::lockdown has the one
+    // meaning of a weakened lockdown).
     let lockdown = super::lockdown::lockdown_state(client).await.ok();
+    for weakness in lockdown.iter().flat_map(|l| &l.weakened) {
+        problem(Severity::Warning, super::lockdown::weakened_text(weakness));
+    }
     let (stream_state, gap) = match crate::stream_state::inspect(
         client,
         schema,

@@ -7,9 +7,12 @@
 //! [`lock`] gives the schema `outbox`, the helpers and the tables they use to the
 //! `NOLOGIN` role `pgoutbox_emitter`, and records a fingerprint of the helpers'
 //! definitions; [`lockdown_state`] reports, as [`LockdownState::weakened`], every way
-//! the lockdown was weakened since (an owner that can log in, a login member of an
-//! owner, a login role that may create in the schema or call `pg_logical_emit_message`,
-//! a trigger, rule or policy on `outbox.idempotency`, a changed definition).
+//! the lockdown was weakened since (an owner of any object of the schema that can log in,
+//! a login member of an owner, a login role that may create in the schema or call
+//! `pg_logical_emit_message`, `TRIGGER` on an outbox table or writes on `outbox.lockdown`
+//! granted to a login role, a login role that may grant itself `pgoutbox_emitter`, a
+//! trigger, rule or policy on `outbox.idempotency`, a changed definition). [`lock`] revokes
+//! the grants and refuses what it cannot take back, naming the fix.
 //!
 //! [`lock`] runs in two steps, because PostgreSQL checks `EXECUTE` when a query starts:
 //! a transaction that began before the `REVOKE` committed (a cursor declared then) can
@@ -80,24 +83,88 @@ SELECT pg_catalog.format('the policy %I on outbox.idempotency runs inside the he
   FROM pg_catalog.pg_policy pol
  WHERE pol.polrelid = pg_catalog.to_regclass('outbox.idempotency')";
 
+/// Every object of schema `outbox` whose owner matters to a lockdown, `(what, fix,
+/// owner)`: each table, view and routine (a table's owner may put a trigger on it, which
+/// runs as whoever writes the table: inside the helpers `pgoutbox_emitter`, in `setup` a
+/// superuser; a routine's owner may replace what it runs). `sql/lockdown.sql` gives the
+/// schema, the helpers and the tables they write to `pgoutbox_emitter`; [`preflight`]
+/// refuses a login owner of any other.
+const OWNED_SQL: &str = "SELECT 'table ' || c.oid::pg_catalog.regclass::text,
+           'ALTER TABLE ' || c.oid::pg_catalog.regclass::text || ' OWNER TO pgoutbox_emitter', c.relowner,
+           c.oid IN (pg_catalog.to_regclass('outbox.idempotency'), pg_catalog.to_regclass('outbox.lockdown'))
+      FROM pg_catalog.pg_class c
+     WHERE c.relnamespace = pg_catalog.to_regnamespace('outbox') AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+    UNION ALL
+    SELECT 'function ' || p.oid::pg_catalog.regprocedure::text,
+           'ALTER ROUTINE ' || p.oid::pg_catalog.regprocedure::text || ' OWNER TO pgoutbox_emitter', p.proowner,
+           p.proname IN ('emit', 'emit_bytes', '_envelope')
+      FROM pg_catalog.pg_proc p
+     WHERE p.pronamespace = pg_catalog.to_regnamespace('outbox')";
+
+/// [`WEAKNESSES_SQL`] with its parts ([`OWNED_SQL`], [`GRANTS_SQL`],
+/// [`ROLE_GRANTERS_SQL`]) in place, then [`EXTRAS_SQL`].
+fn weaknesses_sql() -> String {
+    format!(
+        "{}{EXTRAS_SQL}",
+        WEAKNESSES_SQL
+            .replace("/*OWNED*/", OWNED_SQL)
+            .replace("/*GRANTS*/", GRANTS_SQL)
+            .replace("/*ROLE_GRANTERS*/", ROLE_GRANTERS_SQL)
+    )
+}
+
+/// The grants on tables of schema `outbox` that a lockdown cannot coexist with, one row
+/// per grant held by `PUBLIC` or by a role with a login member that is no superuser,
+/// `(text, revoke)`: `TRIGGER` on any table (the common `GRANT ALL ON ALL TABLES IN SCHEMA
+/// outbox TO app` gives it: a trigger on `outbox.idempotency` runs inside the `SECURITY
+/// DEFINER` helpers as `pgoutbox_emitter` and can write any envelope), and `INSERT`,
+/// `UPDATE`, `DELETE` or `TRUNCATE` on `outbox.lockdown` (the record the streamer
+/// trusts). `sql/lockdown.sql` runs each `revoke` ([`revoke_grants`]).
+const GRANTS_SQL: &str = "SELECT pg_catalog.format('%s holds %s on %s, so %s; fix: %s',
+           CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE 'the role ' || pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(a.grantee)) END,
+           a.privilege_type, c.oid::pg_catalog.regclass,
+           CASE WHEN a.privilege_type = 'TRIGGER'
+                THEN 'it may put a trigger on it, which runs as whoever writes the table (inside outbox.emit as pgoutbox_emitter, which may write any envelope)'
+                ELSE 'it may rewrite or delete the lockdown record the streamer trusts' END,
+           r.revoke) AS text,
+       r.revoke
+  FROM pg_catalog.pg_class c
+ CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) a
+ CROSS JOIN LATERAL (SELECT pg_catalog.format('REVOKE %s ON %s FROM %s', a.privilege_type, c.oid::pg_catalog.regclass,
+           CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(a.grantee)) END) AS revoke) r
+ WHERE c.relnamespace = pg_catalog.to_regnamespace('outbox') AND c.relkind IN ('r', 'p')
+   AND a.grantee <> c.relowner
+   AND (a.privilege_type = 'TRIGGER'
+        OR (c.oid = pg_catalog.to_regclass('outbox.lockdown')
+            AND a.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')))
+   AND (a.grantee = 0 OR EXISTS (SELECT 1 FROM pg_catalog.pg_roles l
+                                  WHERE l.rolcanlogin AND NOT l.rolsuper
+                                    AND pg_catalog.pg_has_role(l.oid, a.grantee, 'MEMBER')))";
+
+/// Login roles (no superusers) that may make themselves members of `pgoutbox_emitter`,
+/// `(text)`: on PostgreSQL 15 and older every `CREATEROLE` role may grant any role but a
+/// superuser's; on 16 and later a role needs `ADMIN OPTION` on it.
+const ROLE_GRANTERS_SQL: &str = "SELECT pg_catalog.format('the login role %s has CREATEROLE, which on PostgreSQL 15 and older lets it grant itself pgoutbox_emitter and then write any envelope; fix: ALTER ROLE %I NOCREATEROLE', r.rolname, r.rolname) AS text
+  FROM pg_catalog.pg_roles r
+ WHERE r.rolcanlogin AND NOT r.rolsuper AND r.rolcreaterole
+   AND pg_catalog.current_setting('server_version_num')::int < 160000
+UNION ALL
+SELECT pg_catalog.format('the login role %s may grant pgoutbox_emitter (ADMIN OPTION), so it may make itself a member and write any envelope; fix: REVOKE ADMIN OPTION FOR pgoutbox_emitter FROM %I', r.rolname, r.rolname)
+  FROM pg_catalog.pg_auth_members m
+  JOIN pg_catalog.pg_roles r ON r.oid = m.member
+ WHERE m.roleid = (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = 'pgoutbox_emitter')
+   AND m.admin_option AND r.rolcanlogin AND NOT r.rolsuper";
+
 /// Every login role (not a superuser) that could change, drop or shadow what the helpers
 /// run, or write an outbox message directly, each with the fix: members (or owners) of an
 /// owner of the schema, the helpers or the tables they use; roles with `CREATE` on the
 /// schema; roles that may execute `pg_logical_emit_message` (other than through `PUBLIC`,
 /// reported on its own). Then [`EXTRAS_SQL`].
-const WEAKNESSES_SQL: &str = "WITH objs(what, fix, owner) AS (
+const WEAKNESSES_SQL: &str = "WITH owned(what, fix, owner, taken) AS (/*OWNED*/), objs(what, fix, owner) AS (
     SELECT 'schema outbox', 'ALTER SCHEMA outbox OWNER TO pgoutbox_emitter', n.nspowner
       FROM pg_catalog.pg_namespace n WHERE n.nspname = 'outbox'
     UNION ALL
-    SELECT 'function ' || p.oid::pg_catalog.regprocedure::text,
-           'ALTER FUNCTION ' || p.oid::pg_catalog.regprocedure::text || ' OWNER TO pgoutbox_emitter', p.proowner
-      FROM pg_catalog.pg_proc p
-     WHERE p.pronamespace = pg_catalog.to_regnamespace('outbox') AND p.proname IN ('emit', 'emit_bytes', '_envelope')
-    UNION ALL
-    SELECT 'table ' || c.oid::pg_catalog.regclass::text,
-           'ALTER TABLE ' || c.oid::pg_catalog.regclass::text || ' OWNER TO pgoutbox_emitter', c.relowner
-      FROM pg_catalog.pg_class c
-     WHERE c.oid IN (pg_catalog.to_regclass('outbox.idempotency'), pg_catalog.to_regclass('outbox.lockdown'))
+    SELECT what, fix, owner FROM owned
 ), logins AS (
     SELECT r.oid, r.rolname FROM pg_catalog.pg_roles r WHERE r.rolcanlogin AND NOT r.rolsuper
 ), emitter AS (
@@ -113,6 +180,10 @@ SELECT pg_catalog.format('the login role %s may create objects in schema outbox,
   FROM logins l, pg_catalog.pg_namespace n
  WHERE n.nspname = 'outbox' AND pg_catalog.has_schema_privilege(l.oid, n.oid, 'CREATE')
    AND NOT pg_catalog.pg_has_role(l.oid, n.nspowner, 'MEMBER')
+UNION ALL
+SELECT g.text FROM (/*GRANTS*/) g
+UNION ALL
+SELECT r.text FROM (/*ROLE_GRANTERS*/) r
 UNION ALL
 SELECT pg_catalog.format('the login role %s may call %s directly, and so write any envelope; fix: REVOKE EXECUTE ON FUNCTION %s FROM %I', l.rolname, p.oid::pg_catalog.regprocedure, p.oid::pg_catalog.regprocedure, l.rolname)
   FROM pg_catalog.pg_proc p, logins l
@@ -182,11 +253,22 @@ impl LockdownState {
             state
         } else {
             format!(
-                "WEAKENED: {}; then run `pgoutbox setup --lockdown` as a superuser. Lockdown {state}",
+                "WEAKENED (run goes on streaming; until this is fixed, the roles named may publish a message naming an emitter they are not): {}; then run `pgoutbox setup --lockdown` as a superuser. Lockdown {state}",
                 self.weakened.join("; ")
             )
         }
     }
+}
+
+/// How `check`, `status` and `run` word one way a lockdown was weakened
+/// ([`LockdownState::weakened`]): a warning in `check` and `status`, an error log in
+/// `run`, and the same meaning in all three: `run` goes on streaming, the lockdown no
+/// longer holds against the role named, and a human must fix it.
+#[must_use]
+pub fn weakened_text(weakness: &str) -> String {
+    format!(
+        "lockdown weakened: {weakness}; until it is fixed, that role may publish a message naming an emitter it is not (run goes on streaming); then run `pgoutbox setup --lockdown` as a superuser"
+    )
 }
 
 /// Reads the lockdown record and the privileges of `pg_logical_emit_message`, and, under
@@ -271,7 +353,7 @@ async fn weaknesses(
         out.push("PUBLIC may call pg_logical_emit_message again, so every role can write any envelope; fix: run `pgoutbox setup --lockdown` again".to_owned());
     }
     let rows = client
-        .query(&format!("{WEAKNESSES_SQL}{EXTRAS_SQL}"), &[])
+        .query(&weaknesses_sql(), &[])
         .await
         .map_err(|e| Error::sql("reading who may change the lockdown's helpers", e))?;
     out.extend(rows.iter().map(|r| r.get::<_, String>(0)));
@@ -394,7 +476,18 @@ async fn in_transaction(client: &Client, sql: &str, what: &str) -> Result<(), Er
 pub async fn lock(client: &Client) -> Result<LockdownState, Error> {
     require_superuser(client, "--lockdown").await?;
     preflight(client).await?;
-    in_transaction(client, LOCKDOWN_SQL, "applying sql/lockdown.sql").await?;
+    let revoked = revoke_grants(client).await?;
+    in_transaction(
+        client,
+        &format!("{LOCKDOWN_SQL}\n{}", revoked.join("\n")),
+        "applying sql/lockdown.sql",
+    )
+    .await?;
+    for revoke in &revoked {
+        tracing::warn!(
+            "setup --lockdown revoked a grant that lets a login role write any envelope: {revoke}"
+        );
+    }
     wait_for_older_transactions(client).await?;
     in_transaction(
         client,
@@ -414,10 +507,26 @@ pub async fn lock(client: &Client) -> Result<LockdownState, Error> {
     Ok(state)
 }
 
+/// The `REVOKE` statements ([`GRANTS_SQL`]) that take back, with the lockdown, every
+/// grant it cannot coexist with: `TRIGGER` on the outbox's tables, writes to
+/// `outbox.lockdown`. No application needs either; each is logged as it is revoked.
+async fn revoke_grants(client: &Client) -> Result<Vec<String>, Error> {
+    let rows = client
+        .query(GRANTS_SQL, &[])
+        .await
+        .map_err(|e| Error::sql("listing the grants on the outbox's tables", e))?;
+    Ok(rows
+        .iter()
+        .map(|r| format!("{};", r.get::<_, String>(1)))
+        .collect())
+}
+
 /// Refuses, before anything changes, what `sql/lockdown.sql` does not take over: a
 /// trigger, rule or policy on `outbox.idempotency`, a login role that is a member of
 /// `pgoutbox_emitter` or may create in schema `outbox` (other than as its owner, whose
-/// ownership the lockdown takes).
+/// ownership the lockdown takes), a login owner (or a login member of the owner) of any
+/// other table or routine of schema `outbox`, a login role that may grant itself
+/// `pgoutbox_emitter` (`CREATEROLE` on PostgreSQL 15 and older, `ADMIN OPTION` on it).
 async fn preflight(client: &Client) -> Result<(), Error> {
     let rows = client
         .query(
@@ -432,6 +541,17 @@ async fn preflight(client: &Client) -> Result<(), Error> {
                   WHERE n.nspname = 'outbox' AND r.rolcanlogin AND NOT r.rolsuper
                     AND pg_catalog.has_schema_privilege(r.oid, n.oid, 'CREATE')
                     AND NOT pg_catalog.pg_has_role(r.oid, n.nspowner, 'MEMBER')
+                 UNION ALL
+                 SELECT CASE WHEN l.oid = o.owner
+                             THEN pg_catalog.format('%s is owned by the login role %s, which may put a trigger on it or replace it (the lockdown takes over only the schema, the helpers and the tables they write); fix: %s', o.what, l.rolname, o.fix)
+                             ELSE pg_catalog.format('the login role %s is a member of %s, the owner of %s, which may put a trigger on it or replace it; fix: REVOKE %I FROM %I', l.rolname, pg_catalog.pg_get_userbyid(o.owner), o.what, pg_catalog.pg_get_userbyid(o.owner), l.rolname)
+                        END
+                   FROM ({OWNED_SQL}) o(what, fix, owner, taken)
+                   JOIN pg_catalog.pg_roles l ON l.rolcanlogin AND NOT l.rolsuper
+                                            AND pg_catalog.pg_has_role(l.oid, o.owner, 'MEMBER')
+                  WHERE NOT o.taken
+                 UNION ALL
+                 SELECT g.text FROM ({ROLE_GRANTERS_SQL}) g
                  UNION ALL
                  {EXTRAS_SQL}"
             ),
