@@ -678,10 +678,27 @@ pub async fn start_hint(
     })
 }
 
+/// Where a session's START_REPLICATION position came from ([`start_hint`]), which decides
+/// whether a slot behind the record means messages sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartFrom {
+    /// The slot's own position: the process's first session, or one whose in-process resume
+    /// position was dropped (another system or timeline, a record behind). Whatever lies
+    /// between the slot and the record is published again.
+    Slot,
+    /// This process's last settled position (the LSN asked for), on the server it streamed
+    /// from: what it settled above the slot is acknowledged without being sent again
+    /// (`pipeline::delivered`), so a slot behind the record (the last status update not yet
+    /// applied when the session ended, as after a broker restart) costs no duplicate.
+    OwnResume(Lsn),
+}
+
 /// The session start, once the slot is held: applies the gap rule ([`assess`]) to the
 /// slot (`at`) and the server's history, records the session (`start` is the first flush
 /// LSN to be reported; on a promoted server whose synchronized slot is ahead of the record,
-/// the slot's position) and starts the [`recorder`] on `client`.
+/// the slot's position) and starts the [`recorder`] on `client`. `from` says whether this
+/// process resumes its own history: only when it does not is a slot behind the record
+/// reported as messages sent again (a warning).
 ///
 /// # Errors
 /// [`Error::Gap`] when the slot's history has a gap and `config.postgres.accept_gap` is off;
@@ -692,6 +709,7 @@ pub async fn session_start(
     server: &ServerHistory<'_>,
     at: &SlotAt,
     start: Lsn,
+    from: StartFrom,
 ) -> Result<(FlushGate, RecordedHandle), Error> {
     let slot = config.postgres.slot.as_str();
     let schema = &config.postgres.schema;
@@ -704,14 +722,21 @@ pub async fn session_start(
     let mut accepted = None;
     match assess(slot, at, server, record.as_ref()) {
         Verdict::Continuous => {}
-        Verdict::SlotBehind { slot: at, recorded } if start < recorded => {
-            tracing::warn!(
+        Verdict::SlotBehind { slot: at, recorded } if start < recorded => match from {
+            StartFrom::OwnResume(resume) => tracing::debug!(
+                slot,
+                slot_confirmed_flush_lsn = %at,
+                recorded_flush_lsn = %recorded,
+                resume_lsn = %resume,
+                "the slot begins before the flush LSN recorded in outbox.stream_state (its last status update was not applied before the session ended): this process settled the messages between them and acknowledges them without sending them again"
+            ),
+            StartFrom::Slot => tracing::warn!(
                 slot,
                 slot_confirmed_flush_lsn = %at,
                 recorded_flush_lsn = %recorded,
                 "the slot begins before the flush LSN pgoutbox last reported (a server crash, a restored slot or a failover): messages between them are sent again (duplicates, nothing lost)"
-            );
-        }
+            ),
+        },
         Verdict::SlotBehind { .. } => {}
         Verdict::PromotedAhead {
             slot: at,

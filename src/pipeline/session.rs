@@ -218,14 +218,20 @@ pub(super) async fn connect(
             .map(|seen| seen.highest_timeline),
     };
     let start = slot_lsn.max(started.hint);
-    let (gate, recorded) = match stream_state::session_start(sql, config, &server, &at, start).await
-    {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
-            return Err(e.into());
-        }
+    // start_hint gives 0/0 unless this process resumes its own history.
+    let from = if started.hint == Lsn::ZERO {
+        stream_state::StartFrom::Slot
+    } else {
+        stream_state::StartFrom::OwnResume(started.hint)
     };
+    let (gate, recorded) =
+        match stream_state::session_start(sql, config, &server, &at, start, from).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
+                return Err(e.into());
+            }
+        };
     log_streaming(
         config,
         &prefix,
