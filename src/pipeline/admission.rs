@@ -333,7 +333,7 @@ impl Admission {
     /// The dead letter's error for a `forged` message at `lsn` that is `what`.
     fn forged_error(&self, lsn: Lsn, what: &str) -> String {
         format!(
-            "forged: the outbox message at {lsn} is {what}, written after the lockdown at {} (setup --lockdown); outbox.emit/emit_bytes never write that, so it was written with pg_logical_emit_message directly (by a superuser, or by a call that raced the lockdown)",
+            "forged: the outbox message at {lsn} is {what}, written after the lockdown at {} (setup --lockdown); outbox.emit/emit_bytes never write that, so it was written with pg_logical_emit_message directly, after the lockdown: by a superuser, or by a role the lockdown no longer holds against (a grant, an ownership or a membership given since: `pgoutbox check` names it)",
             self.lockdown.since().unwrap_or_default()
         )
     }

@@ -304,9 +304,7 @@ async fn read_lockdown(
     }
     let lockdown_state = admin::lockdown_state(sql).await?;
     for weakness in &lockdown_state.weakened {
-        tracing::error!(
-            "lockdown weakened: {weakness}; then run `pgoutbox setup --lockdown` as a superuser"
-        );
+        tracing::error!("{}", admin::lockdown::weakened_text(weakness));
     }
     Ok(Lockdown::from_record(lockdown_state.since()))
 }
