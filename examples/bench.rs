@@ -1892,6 +1892,9 @@ struct LatencyRun {
     /// pgoutbox's commit-to-confirm histogram from `/metrics` (None for the Node relay, or
     /// when the scrape failed).
     confirm_histogram: Option<ConfirmHistogram>,
+    /// pgoutbox's own residence time from `/metrics` (`pgoutbox_residence_seconds`: the
+    /// replication read that completed a message to the broker write that published it).
+    residence: Option<ConfirmHistogram>,
     cpu_us_per_msg: f64,
     peak_rss_mb: f64,
     /// Busy share of all the machine's CPUs while the producers ran (0..1, /proc/stat).
@@ -1996,11 +1999,10 @@ fn bucket_quantile(buckets: &[(f64, u64)], q: f64) -> f64 {
     prev.0
 }
 
-/// The histogram of the scrape `after` minus the scrape `before`.
-fn confirm_histogram(before: &str, after: &str) -> Option<ConfirmHistogram> {
-    const NAME: &str = "pgoutbox_confirm_latency_seconds";
-    let (b0, s0) = histogram(before, NAME)?;
-    let (b1, s1) = histogram(after, NAME)?;
+/// The histogram `name` of the scrape `after` minus the scrape `before`.
+fn confirm_histogram(before: &str, after: &str, name: &str) -> Option<ConfirmHistogram> {
+    let (b0, s0) = histogram(before, name)?;
+    let (b1, s1) = histogram(after, name)?;
     if b0.len() != b1.len() {
         return None;
     }
@@ -2336,9 +2338,12 @@ async fn latency_case(
             eprintln!("bench: WARNING: [{tag}] writing {}: {e}", path.display());
         }
     }
-    let confirm_histogram = match (&scrape_before, &scrape_after) {
-        (Some(b), Some(a)) => confirm_histogram(b, a),
-        _ => None,
+    let (confirm_histogram, residence) = match (&scrape_before, &scrape_after) {
+        (Some(b), Some(a)) => (
+            confirm_histogram(b, a, "pgoutbox_confirm_latency_seconds"),
+            confirm_histogram(b, a, "pgoutbox_residence_seconds"),
+        ),
+        _ => (None, None),
     };
     Ok(LatencyRun {
         relay: relay.label().to_string(),
@@ -2356,6 +2361,7 @@ async fn latency_case(
         unmatched,
         from_commit_header: (!from_header.is_empty()).then(|| Quantiles::of(from_header)),
         confirm_histogram,
+        residence,
         cpu_us_per_msg: cpu * 1e6 / sent.max(1) as f64,
         peak_rss_mb: rss,
         machine_cpu_busy,
@@ -2608,8 +2614,8 @@ fn ms_pair(a: f64, b: f64) -> String {
 /// runs), then every run in detail.
 fn latency_tables(runs: &[LatencyRun]) -> String {
     let mut out = String::from(
-        "| target msg/s | pgoutbox shape | runs | achieved msg/s (pgoutbox / Node) | pgoutbox p50 ms | pgoutbox p99 ms | Node relay p50 ms | Node relay p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| target msg/s | pgoutbox shape | runs | achieved msg/s (pgoutbox / Node) | pgoutbox p50 ms | pgoutbox p99 ms | Node relay p50 ms | Node relay p99 ms | pgoutbox /metrics commit→confirm p50 / p99 ms | pgoutbox commit-header p50 / p99 ms | pgoutbox residence p50 / p99 µs | CPU µs/msg pgoutbox / Node | machine busy pgoutbox / Node |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut rates: Vec<f64> = Vec::new();
     for r in runs {
@@ -2663,7 +2669,7 @@ fn latency_tables(runs: &[LatencyRun]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {rate:.0} | {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            "| {rate:.0} | {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
             label.trim_start_matches("pgoutbox "),
             p.len().max(n.len()),
             med(&p, &|r| r.achieved_msgs_per_s, 0),
@@ -2684,6 +2690,22 @@ fn latency_tables(runs: &[LatencyRun]) -> String {
                     .map(|h| (h.p50_ms, h.p99_ms))
                     .collect()
             ),
+            {
+                let v: Vec<(f64, f64)> = p
+                    .iter()
+                    .filter_map(|r| r.residence.as_ref())
+                    .map(|h| (h.p50_ms * 1e3, h.p99_ms * 1e3))
+                    .collect();
+                if v.is_empty() {
+                    dash()
+                } else {
+                    format!(
+                        "{:.0} / {:.0}",
+                        median(v.iter().map(|x| x.0).collect()),
+                        median(v.iter().map(|x| x.1).collect())
+                    )
+                }
+            },
             med(&p, &|r| r.cpu_us_per_msg, 1),
             med(&n, &|r| r.cpu_us_per_msg, 1),
             med(&p, &|r| r.machine_cpu_busy * 100.0, 0) + "%",

@@ -41,6 +41,7 @@ pub mod http;
 pub mod latency;
 pub mod partitions;
 pub mod probe;
+pub mod residence;
 
 pub use counters::Counters;
 pub use gauges::Gauges;
@@ -50,6 +51,7 @@ pub use partitions::{
     PARTITION_UNSETTLED_MESSAGES,
 };
 pub use probe::{Phase, Probe, Readiness, Role};
+pub use residence::Residence;
 
 /// Default `--http-addr`: loopback only (metrics are not for the world), port 8432. The
 /// Prometheus project's registry of exporter ports, 9100-9999, is fully allocated (9187 is
@@ -113,6 +115,11 @@ pub const OLDEST_UNCONFIRMED_AGE_SECONDS: &str = "pgoutbox_oldest_unconfirmed_ag
 /// Histogram: commit-to-confirm latency (commit time, server clock, to the broker's
 /// confirm as routed), in seconds.
 pub const CONFIRM_LATENCY_SECONDS: &str = "pgoutbox_confirm_latency_seconds";
+
+/// Histogram: pgoutbox's own residence time per message, from the socket read that completed
+/// its frame on the replication stream to the socket write that put its last byte on the
+/// broker connection, in seconds (first publishes only; [`residence`]).
+pub const RESIDENCE_SECONDS: &str = "pgoutbox_residence_seconds";
 
 /// Counter: retryable failures followed by a reconnect, label `cause` (`broker`,
 /// `postgres`, `slot_busy`: one per standby poll that found the slot held by another
@@ -184,6 +191,7 @@ pub const NAMES: &[&str] = &[
     PARTITION_CONNECTED,
     PARTITION_BLOCKED,
     CONFIRM_LATENCY_SECONDS,
+    RESIDENCE_SECONDS,
     BUILD_INFO,
 ];
 
@@ -241,6 +249,7 @@ pub struct Telemetry {
     gauges: Gauges,
     partitions: Partitions,
     latency: ConfirmLatency,
+    residence: Residence,
     probe: Probe,
 }
 
@@ -260,6 +269,12 @@ impl Telemetry {
             "Commit-to-confirm latency, in seconds",
             latency.clone(),
         );
+        let residence = Residence::default();
+        registry.register(
+            RESIDENCE_SECONDS,
+            "pgoutbox's own time per message: the socket read that completed it on the replication stream to the socket write that published it, in seconds (first publishes)",
+            residence.clone(),
+        );
         registry.register(
             counters::base_name(BUILD_INFO, "_info"),
             "Build information",
@@ -271,6 +286,7 @@ impl Telemetry {
             gauges,
             partitions,
             latency,
+            residence,
             probe: Probe::new(stall_after),
         })
     }
@@ -306,6 +322,11 @@ impl Telemetry {
     /// The current phase.
     pub fn phase(&self) -> Phase {
         self.probe.phase()
+    }
+
+    /// The residence histogram, which the broker connections observe into.
+    pub fn residence(&self) -> Residence {
+        self.residence.clone()
     }
 
     /// Sets how many broker connections a session has (`--partitions`).
@@ -573,20 +594,33 @@ mod tests {
         t.session_started();
         assert_eq!(t.readiness(), Readiness::Ready);
         flags[1].0.store(true, std::sync::atomic::Ordering::Relaxed);
-        flags[2].0.store(false, std::sync::atomic::Ordering::Relaxed);
+        flags[2]
+            .0
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         assert!(t.is_broker_blocked(), "partition 1 is still blocked");
         flags[3].1.store(true, std::sync::atomic::Ordering::Relaxed);
         let text = t.encode();
-        assert!(text.contains("pgoutbox_partition_connected{partition=\"3\"} 0"), "{text}");
-        assert!(text.contains("pgoutbox_partition_connected{partition=\"2\"} 1"), "{text}");
-        assert!(text.contains("pgoutbox_partition_blocked{partition=\"1\"} 1"), "{text}");
+        assert!(
+            text.contains("pgoutbox_partition_connected{partition=\"3\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pgoutbox_partition_connected{partition=\"2\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pgoutbox_partition_blocked{partition=\"1\"} 1"),
+            "{text}"
+        );
         assert_eq!(t.disconnected(), [3]);
         assert_eq!(t.readiness(), Readiness::NotReady("broker_disconnected"));
         t.connections_closed();
         let text = t.encode();
         for i in 0..4 {
             assert!(
-                text.contains(&format!("pgoutbox_partition_connected{{partition=\"{i}\"}} 0")),
+                text.contains(&format!(
+                    "pgoutbox_partition_connected{{partition=\"{i}\"}} 0"
+                )),
                 "{text}"
             );
         }

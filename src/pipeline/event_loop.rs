@@ -111,6 +111,9 @@ pub(super) struct Core {
     part_published: Vec<u64>,
     /// The sink's failure that ended the session, when one did.
     sink_failure: Option<SinkFailure>,
+    /// When the last read of the replication stream returned (the frames being handled
+    /// were completed by it): the start of each first publish's residence time.
+    read_at: std::time::Instant,
 }
 
 /// The loop's error for a sink that failed or refused in a way no message settles.
@@ -186,6 +189,7 @@ impl Core {
             telemetry,
             part_published: Vec::new(),
             sink_failure: None,
+            read_at: std::time::Instant::now(),
         }
     }
 
@@ -403,6 +407,9 @@ impl Core {
     ) -> Result<(), Error> {
         match read {
             Ok(n) => {
+                // Every frame handled until the next read was completed by this one (the
+                // next read waits until the buffer holds no complete frame).
+                self.read_at = std::time::Instant::now();
                 *buffered = true;
                 self.coalesce_after(n);
             }
@@ -560,6 +567,7 @@ impl Core {
             return Ok(());
         };
         m.attempts += 1;
+        let read_at = first.is_some().then_some(self.read_at);
         let (env, exchange) = match first {
             Some(first) => first,
             None => {
@@ -578,7 +586,7 @@ impl Core {
                 }
             }
         };
-        match sink.publish(m.delivery(seq, env, exchange)) {
+        match sink.publish(m.delivery(seq, env, exchange, read_at)) {
             Ok(()) => {
                 self.summary.published += 1;
                 Ok(())

@@ -51,7 +51,15 @@ impl InFlight {
 
     /// What the sink is handed for this record's current attempt ([`InFlight::attempts`],
     /// counted before the publish): `env` is its envelope, `exchange` its routing decision.
-    pub fn delivery(&self, seq: Seq, env: Envelope, exchange: Exchange) -> Delivery {
+    /// `read_at`: when the read that completed the message's frame returned (first
+    /// attempts only).
+    pub fn delivery(
+        &self,
+        seq: Seq,
+        env: Envelope,
+        exchange: Exchange,
+        read_at: Option<std::time::Instant>,
+    ) -> Delivery {
         Delivery {
             seq,
             envelope: env,
@@ -62,6 +70,7 @@ impl InFlight {
             index_in_txn: self.index_in_txn,
             emitter_checked: self.emitter_checked,
             attempt: self.attempts,
+            read_at,
         }
     }
 

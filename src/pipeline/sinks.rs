@@ -142,7 +142,11 @@ impl SinkChoice {
             let (blocked, lost) = telemetry
                 .connection_flags(i)
                 .unwrap_or_else(|| (Default::default(), Default::default()));
-            BrokerSignals { blocked, lost }
+            BrokerSignals {
+                blocked,
+                lost,
+                residence: Some(telemetry.residence()),
+            }
         };
         let publisher = PublisherConfig {
             amqp_url: String::new(),

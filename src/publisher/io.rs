@@ -79,6 +79,7 @@ impl<T> Publisher<T> {
                 Poll::Pending => return,
             }
         }
+        self.out_base += self.written as u64;
         self.out.clear();
         self.written = 0;
         if self.out.capacity() > KEEP_WRITE_CAPACITY {

@@ -124,6 +124,9 @@ pub struct BrokerSignals {
     pub blocked: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// True once the connection or the channel failed.
     pub lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Where [`AmqpSink`] records each first publish's residence time (read to written);
+    /// `None`: not recorded.
+    pub residence: Option<crate::metrics::Residence>,
 }
 
 #[derive(Debug)]
@@ -156,6 +159,9 @@ pub struct Publisher<T> {
     /// Encoded frames; `out[written..]` is not yet written.
     out: Vec<u8>,
     written: usize,
+    /// Bytes written and dropped from `out` before its current start: `out_base + i` is
+    /// byte `i` of `out` counted from the connection's first byte.
+    out_base: u64,
     /// Bytes were written since the last completed flush: a TLS socket may still hold
     /// them as records in rustls' buffer.
     unflushed: bool,
@@ -237,6 +243,7 @@ impl<T> Publisher<T> {
             heartbeat: opened.tuned.heartbeat,
             out: Vec::with_capacity(64 * 1024),
             written: 0,
+            out_base: 0,
             unflushed: false,
             inbuf,
             in_start: 0,
@@ -276,6 +283,7 @@ impl<T> Publisher<T> {
             State::Violated(reason) => return Err(Error::Protocol(reason.clone())),
         }
         if self.written == self.out.len() && self.written > 0 {
+            self.out_base += self.written as u64;
             self.out.clear();
             self.written = 0;
         }
@@ -344,6 +352,16 @@ impl<T> Publisher<T> {
     /// accounted before the next poll.
     pub async fn recv_outcomes(&mut self) -> Result<Vec<(T, PublishOutcome)>, Error> {
         poll_fn(|cx| self.poll_outcomes(cx)).await
+    }
+
+    /// Bytes encoded on this connection so far (counted from its first publish).
+    pub fn encoded_bytes(&self) -> u64 {
+        self.out_base + self.out.len() as u64
+    }
+
+    /// Bytes of [`Publisher::encoded_bytes`] written to the socket so far.
+    pub fn written_bytes(&self) -> u64 {
+        self.out_base + self.written as u64
     }
 
     /// True while the connection is up and has not failed.

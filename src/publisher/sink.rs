@@ -4,7 +4,9 @@
 //! Everything the wire does is [`Publisher`]'s; this only encodes each [`Delivery`] with
 //! the run's [`Encoder`] and maps the publisher's errors onto the seam's [`SinkError`].
 
+use std::collections::VecDeque;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use futures::future::BoxFuture;
 
@@ -21,6 +23,11 @@ pub struct AmqpSink {
     encoder: Encoder,
     /// Publishes accepted since it connected (for the per-partition metrics).
     published: u64,
+    /// First publishes not yet written whole: (the connection's byte count once its last
+    /// byte is written, when the read that completed it returned), in write order.
+    unwritten: VecDeque<(u64, Instant)>,
+    /// Where their residence time goes once written (`None`: not recorded).
+    residence: Option<crate::metrics::Residence>,
 }
 
 impl AmqpSink {
@@ -34,7 +41,31 @@ impl AmqpSink {
             publisher,
             encoder,
             published: 0,
+            unwritten: VecDeque::new(),
+            residence: config.signals.residence.clone(),
         })
+    }
+
+    /// Records the residence time of every first publish whose last byte is written now.
+    /// A message held until its producer-named exchange is declared is encoded later than it
+    /// was accepted, so its time ends at the next write instead (a rare first use of an
+    /// exchange, counted short).
+    fn note_written(&mut self) {
+        let Some(residence) = &self.residence else {
+            return;
+        };
+        let written = self.publisher.written_bytes();
+        if self.unwritten.front().is_none_or(|(end, _)| *end > written) {
+            return;
+        }
+        let now = Instant::now();
+        while let Some(&(end, read_at)) = self.unwritten.front() {
+            if end > written {
+                break;
+            }
+            residence.observe(now.saturating_duration_since(read_at));
+            self.unwritten.pop_front();
+        }
     }
 
     /// The publisher underneath (its negotiated limits, for tests and logs).
@@ -57,12 +88,18 @@ fn sink_error(e: Error) -> SinkError {
 
 impl Sink for AmqpSink {
     fn publish(&mut self, delivery: Delivery) -> Result<(), SinkError> {
+        let delivery_read_at = delivery.read_at;
         let message = self
             .encoder
             .encode(delivery)
             .map_err(SinkError::Unencodable)?;
+        let read_at = delivery_read_at;
         self.publisher.publish(message).map_err(sink_error)?;
         self.published += 1;
+        if let (Some(at), Some(_)) = (read_at, &self.residence) {
+            self.unwritten
+                .push_back((self.publisher.encoded_bytes(), at));
+        }
         Ok(())
     }
 
@@ -70,9 +107,9 @@ impl Sink for AmqpSink {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<(Seq, PublishOutcome)>, SinkError>> {
-        self.publisher
-            .poll_outcomes(cx)
-            .map(|r| r.map_err(sink_error))
+        let polled = self.publisher.poll_outcomes(cx);
+        self.note_written();
+        polled.map(|r| r.map_err(sink_error))
     }
 
     /// True while the connection is open. A blocked connection (`connection.blocked`) is

@@ -123,6 +123,10 @@ pub struct Delivery {
     pub emitter_checked: bool,
     /// 1 on the first publish, more on a retry after a nack or a return.
     pub attempt: u32,
+    /// When the socket read that completed this message's frame on the replication stream
+    /// returned: where pgoutbox's residence time starts ([`crate::metrics::RESIDENCE_SECONDS`]).
+    /// `None` for a retry (its time includes the retry's backoff, not pgoutbox's work).
+    pub read_at: Option<std::time::Instant>,
 }
 
 /// Why a sink refused a publish, or stopped.

@@ -249,6 +249,7 @@ mod tests {
             index_in_txn: 0,
             emitter_checked: false,
             attempt: 1,
+            read_at: None,
         }
     }
 

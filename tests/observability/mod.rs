@@ -135,6 +135,14 @@ async fn metrics_follow_a_stream_and_a_blocked_broker() {
         Some(n as f64),
         "{text}"
     );
+    // Issue 31 item 6: every first publish's residence (the replication read that completed
+    // it to the broker write that published it) is counted, and it took some time.
+    assert_eq!(
+        sample(&text, "pgoutbox_residence_seconds_count"),
+        Some(n as f64),
+        "{text}"
+    );
+    assert!(sample(&text, "pgoutbox_residence_seconds_sum").unwrap_or(0.0) > 0.0);
     assert_eq!(
         sample(&text, "pgoutbox_oldest_unconfirmed_age_seconds"),
         Some(0.0)
@@ -696,8 +704,10 @@ impl<'a> Watched<'a> {
         support::wait_until(scaled(Duration::from_secs(30)), || async {
             let text = scrape(self.port);
             (0..self.partitions).all(|i| {
-                sample(&text, &format!("pgoutbox_partition_connected{{partition=\"{i}\"}}"))
-                    == Some(want)
+                sample(
+                    &text,
+                    &format!("pgoutbox_partition_connected{{partition=\"{i}\"}}"),
+                ) == Some(want)
             })
         })
         .await
@@ -756,7 +766,10 @@ async fn gauges_stay_true_through_a_broker_outage() {
         })
         .await;
         assert!(named, "/readyz names every partition: {:?}", readyz(w.port));
-        assert_eq!(not_ready_reason(w.port).as_deref(), Some("broker_disconnected"));
+        assert_eq!(
+            not_ready_reason(w.port).as_deref(),
+            Some("broker_disconnected")
+        );
     }
     let mut last: Vec<(f64, f64)> = all
         .iter()
@@ -847,7 +860,10 @@ async fn gauges_stay_true_while_postgres_is_unreachable() {
     for w in &all {
         wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(30))).await;
         w.emit("before", 4);
-        assert_eq!(w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(), 4);
+        assert_eq!(
+            w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(),
+            4
+        );
     }
     proxy.refuse();
     for w in &all {
@@ -877,7 +893,10 @@ async fn gauges_stay_true_while_postgres_is_unreachable() {
         wait_ready(w.port, &w.streamer, scaled(Duration::from_secs(60))).await;
         assert!(w.connected_all(1.0).await, "{}", scrape(w.port));
         w.emit("after", 4);
-        assert_eq!(w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(), 4);
+        assert_eq!(
+            w.ob.drain(4, scaled(Duration::from_secs(30))).await.len(),
+            4
+        );
     }
     for w in all {
         w.streamer.stop_ok(scaled(Duration::from_secs(30))).await;
