@@ -97,6 +97,14 @@ fn main() -> ExitCode {
     // reading a TLS file (a FIFO, a hung network file system) long after the process
     // decided to exit.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    let dropped = pgoutbox::metrics::log_lines_dropped();
+    if dropped > 0 {
+        tracing::warn!(
+            target: "pgoutbox",
+            dropped,
+            "{dropped} log lines were dropped: stderr did not take them as fast as they were logged (pgoutbox_log_lines_dropped_total)"
+        );
+    }
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -176,8 +184,8 @@ fn docs(cmd: DocsCommand) -> ExitCode {
 #[error("cannot start the tokio runtime")]
 struct RuntimeStart(#[source] std::io::Error);
 
-/// Lines the log's writer thread may hold before whoever logs waits for it: about 2 MB of
-/// log at 200 bytes a line.
+/// Lines the log's writer thread may hold; a line logged while it holds this many is
+/// dropped and counted: about 2 MB of log at 200 bytes a line.
 const LOG_BUFFER_LINES: usize = 10_000;
 
 /// The log's writer, set by [`init_tracing`]: a handle on a thread of its own
@@ -186,8 +194,10 @@ const LOG_BUFFER_LINES: usize = 10_000;
 /// The pipeline runs on one thread; writing to stderr from it stopped the whole pipeline
 /// (replication reads, keepalive replies, publisher confirms) whenever stderr did not take
 /// the write: a pipe nobody reads, a stalled log collector, a suspended terminal. With the
-/// writer thread, logging costs a queue push. The queue is lossless: when
-/// [`LOG_BUFFER_LINES`] lines wait, logging waits too (backpressure, never a dropped line).
+/// writer thread, logging costs a queue push. The queue is bounded and lossy: when
+/// [`LOG_BUFFER_LINES`] lines wait, a new line is dropped rather than wait, and counted
+/// (`pgoutbox_log_lines_dropped_total`; the count is written at exit). A lossless queue
+/// (the first version) stopped the stream again once it was full (issue 32, item 6).
 static LOG: std::sync::OnceLock<tracing_appender::non_blocking::NonBlocking> =
     std::sync::OnceLock::new();
 
@@ -220,10 +230,12 @@ fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuar
         }
     });
     let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(false)
+        .lossy(true)
         .buffered_lines_limit(LOG_BUFFER_LINES)
         .thread_name("pgoutbox-log")
         .finish(std::io::stderr());
+    let drops = writer.error_counter();
+    pgoutbox::metrics::count_log_drops_with(move || drops.dropped_lines() as u64);
     let _ = LOG.set(writer.clone());
     let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
     let layer = match format {

@@ -9,9 +9,10 @@ use prometheus_client::registry::Registry;
 
 use super::{
     Turn, JOURNAL_DROP_REASONS, JOURNAL_ROWS_DROPPED_TOTAL, JOURNAL_ROWS_WRITTEN_TOTAL,
-    MESSAGES_CONFIRMED_TOTAL, MESSAGES_DEAD_LETTERED_TOTAL, MESSAGES_NACKED_TOTAL,
-    MESSAGES_PUBLISHED_TOTAL, MESSAGES_RETRIED_TOTAL, MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL,
-    RECONNECT_CAUSES, RETENTION_ROWS_DELETED_TOTAL, RETENTION_TABLES, SESSIONS_STARTED_TOTAL,
+    LOG_LINES_DROPPED_TOTAL, MESSAGES_CONFIRMED_TOTAL, MESSAGES_DEAD_LETTERED_TOTAL,
+    MESSAGES_NACKED_TOTAL, MESSAGES_PUBLISHED_TOTAL, MESSAGES_RETRIED_TOTAL,
+    MESSAGES_RETURNED_TOTAL, RECONNECTS_TOTAL, RECONNECT_CAUSES, RETENTION_ROWS_DELETED_TOTAL,
+    RETENTION_TABLES, SESSIONS_STARTED_TOTAL,
 };
 use crate::contract::dead_letter_reason;
 
@@ -34,6 +35,7 @@ pub struct Counters {
     dead_lettered: Labelled,
     reconnects: Labelled,
     sessions: Counter,
+    log_dropped: Counter,
     journal_written: Counter,
     journal_dropped: Labelled,
     retention_deleted: Labelled,
@@ -95,6 +97,11 @@ impl Counters {
             self.sessions.clone(),
         );
         registry.register(
+            total(LOG_LINES_DROPPED_TOTAL),
+            "Log lines dropped because stderr did not take them (a full queue of the log's writer)",
+            self.log_dropped.clone(),
+        );
+        registry.register(
             total(JOURNAL_ROWS_WRITTEN_TOTAL),
             "Rows written to outbox.journal (run --journal)",
             self.journal_written.clone(),
@@ -122,6 +129,14 @@ impl Counters {
         sync(&self.published, turn.published);
         sync(&self.retried, turn.retried);
         sync(&self.confirmed, turn.confirmed);
+    }
+
+    /// Raises the dropped log lines' counter to `dropped`, the count so far.
+    pub fn sync_log_drops(&self, dropped: u64) {
+        let seen = self.log_dropped.get();
+        if dropped > seen {
+            self.log_dropped.inc_by(dropped - seen);
+        }
     }
 
     /// A session started streaming.

@@ -128,6 +128,29 @@ pub const RESIDENCE_SECONDS: &str = "pgoutbox_residence_seconds";
 /// is no count of sessions: [`SESSIONS_STARTED_TOTAL`] is.
 pub const RECONNECTS_TOTAL: &str = "pgoutbox_reconnects_total";
 
+/// Counter: log lines dropped because stderr did not take them: the log's writer thread
+/// holds a bounded queue (the binary's `LOG_BUFFER_LINES`), and a line logged while it is
+/// full is dropped rather than wait, so that a stalled stderr never stops the stream. Read
+/// from the source set with [`count_log_drops_with`] at each scrape.
+pub const LOG_LINES_DROPPED_TOTAL: &str = "pgoutbox_log_lines_dropped_total";
+
+/// Where [`LOG_LINES_DROPPED_TOTAL`] is read from: set once by the binary, which owns the
+/// log's writer (a library never sets up tracing).
+static LOG_DROPS: std::sync::OnceLock<Box<dyn Fn() -> u64 + Send + Sync>> =
+    std::sync::OnceLock::new();
+
+/// Sets, once, the function that answers how many log lines were dropped so far (a
+/// monotonic count); later calls are ignored.
+pub fn count_log_drops_with(read: impl Fn() -> u64 + Send + Sync + 'static) {
+    let _ = LOG_DROPS.set(Box::new(read));
+}
+
+/// The log lines dropped so far (0 when no source is set).
+#[must_use]
+pub fn log_lines_dropped() -> u64 {
+    LOG_DROPS.get().map_or(0, |read| read())
+}
+
 /// Counter: rows written to `outbox.journal` (`run --journal`).
 pub const JOURNAL_ROWS_WRITTEN_TOTAL: &str = "pgoutbox_journal_rows_written_total";
 
@@ -171,6 +194,7 @@ pub const NAMES: &[&str] = &[
     MESSAGES_RETRIED_TOTAL,
     RECONNECTS_TOTAL,
     SESSIONS_STARTED_TOTAL,
+    LOG_LINES_DROPPED_TOTAL,
     JOURNAL_ROWS_WRITTEN_TOTAL,
     JOURNAL_ROWS_DROPPED_TOTAL,
     RETENTION_ROWS_DELETED_TOTAL,
@@ -479,6 +503,7 @@ impl Telemetry {
     /// The text exposition (OpenMetrics), derived gauges computed now.
     pub fn encode(&self) -> String {
         self.gauges.set_derived(&self.probe);
+        self.counters.sync_log_drops(log_lines_dropped());
         for i in 0..self.probe.partitions() {
             self.partitions
                 .set_connection(i, self.probe.is_connected(i), self.probe.is_blocked(i));

@@ -200,59 +200,84 @@ async fn payloads_and_passwords_never_reach_the_log() {
     );
 }
 
-/// docs/src/operators/configuration.md, "Logging": stderr that takes nothing (a pipe nobody
-/// reads, a stalled log collector) does not stop the stream, and loses no line. `run` logs
-/// at trace (two lines per transaction) into a pipe the test leaves unread while 2,000
-/// transactions are streamed: about ten times what a 64 KiB pipe holds. Every message is
-/// delivered while the pipe is full; then the pipe is read, and it holds every commit's line
-/// and the shutdown's, in order. When `run` wrote to stderr from its one runtime thread, the
-/// stream stopped at the first full pipe (a few hundred messages).
+/// docs/src/operators/configuration.md, "Logging" (issue 32, item 6): stderr that takes
+/// nothing (a pipe nobody reads, a stalled log collector) never stops the stream. `run` logs
+/// at trace (two lines per transaction) into a pipe the test leaves unread while 8,000
+/// transactions are streamed: more lines than the log's queue holds (10,000) plus what a
+/// 64 KiB pipe holds. Every message is delivered and confirmed while the pipe is full; the
+/// lines beyond the bound are dropped and counted (`pgoutbox_log_lines_dropped_total`);
+/// then the pipe is read: it holds the lines that were kept, in order, and at the end the
+/// shutdown's lines and the count of what was dropped. With the lossless queue (13dcbb8)
+/// logging waited once 10,000 lines were queued, and the stream stopped with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stderr_nobody_reads_neither_stops_the_stream_nor_loses_a_line() {
-    const N: usize = 2_000;
+async fn a_stderr_nobody_reads_never_stops_the_stream_and_drops_are_counted() {
+    const N: usize = 8_000;
     let pg = Postgres::shared();
     let ob = Outbox::new(pg, &RabbitMq::shared().url(), "life_stderr_unread").await;
-    let (streamer, mut stderr) = ob.run_with_stderr_pipe(&[]);
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let (streamer, mut stderr) = ob.run_with_stderr_pipe(&["--http-addr", &addr]);
     ob.sql(&format!(
         "DO $$ BEGIN FOR i IN 1..{N} LOOP PERFORM outbox.emit('u', jsonb_build_object('n', i), '{{}}', 'u-' || i); COMMIT; END LOOP; END $$"
     ));
-    let got = ob.drain(N, scaled(Duration::from_secs(30))).await;
-    // Read only now: until here the pipe was full.
+    let got = ob.drain(N, scaled(Duration::from_secs(90))).await;
+    let ids: std::collections::HashSet<_> =
+        got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let delivered = ids.len();
+    // Still unread: the dropped lines are counted where an operator looks.
+    let dropped = if delivered == N {
+        crate::observability::metric(port, "pgoutbox_log_lines_dropped_total")
+    } else {
+        0.0
+    };
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
         std::io::Read::read_to_string(&mut stderr, &mut text).map(|_| text)
     });
-    let ids: std::collections::HashSet<_> =
-        got.iter().filter_map(|m| m.message_id.clone()).collect();
-    assert_eq!(
-        ids.len(),
-        N,
-        "every message was delivered while stderr was not read ({} of {N})",
-        ids.len()
-    );
+    if delivered == N {
+        // Read now: once a transaction's lines are logged without a drop, the queue has
+        // room, and the shutdown's lines will not be dropped.
+        let drained = support::wait_until(scaled(Duration::from_secs(30)), || async {
+            let before = crate::observability::metric(port, "pgoutbox_log_lines_dropped_total");
+            ob.sql("SELECT outbox.emit('u', '{}', '{}', 'u-after')");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            crate::observability::metric(port, "pgoutbox_log_lines_dropped_total") == before
+        })
+        .await;
+        assert!(drained, "the log's queue drains once stderr is read");
+    }
     streamer.sigterm();
     let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
     let log = reader.join().expect("reader").expect("read stderr");
+    assert_eq!(
+        delivered,
+        N,
+        "every message was delivered while stderr was not read ({delivered} of {N}); the log's tail:\n{}",
+        &log[log.len().saturating_sub(2_000)..]
+    );
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     let commits = log.matches(": commit end_lsn=").count();
     eprintln!(
-        "stderr unread: {} messages delivered, {} bytes of log, {commits} commit lines",
-        ids.len(),
+        "stderr unread: {delivered} messages delivered, {} bytes of log kept, {commits} commit lines, {dropped} lines dropped",
         log.len()
     );
     assert!(
-        commits >= N,
-        "no line was lost: {commits} commit lines for {N} transactions"
+        dropped > 0.0,
+        "the lines beyond the bound were dropped and counted"
     );
     assert!(
-        log.len() > 4 * 65_536,
-        "the log was several times what the pipe holds ({} bytes)",
-        log.len()
+        commits < N,
+        "{commits} commit lines for {N} transactions: nothing was dropped"
     );
     let (requested, stopped) = (log.find("shutdown requested"), log.rfind("stopped"));
     assert!(
         requested.is_some() && stopped > requested,
         "the last lines are the shutdown's, in order:\n{}",
+        &log[log.len().saturating_sub(2_000)..]
+    );
+    assert!(
+        log.contains("log lines were dropped"),
+        "the exit names the count:\n{}",
         &log[log.len().saturating_sub(2_000)..]
     );
 }
