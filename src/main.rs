@@ -243,11 +243,13 @@ fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuar
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .boxed(),
         // Fields at the top level next to `message`, so a log shipper reads `slot` or `lsn`
-        // without digging into a nested object. pgoutbox opens no spans.
+        // without digging into a nested object. The one span pgoutbox opens is `partition`
+        // (`run --partitions N`: a partition's connect, publish and confirm lines), written as
+        // `"span": {"partition": i, "name": "partition"}`.
         LogFormat::Json => fmt
             .json()
             .flatten_event(true)
-            .with_current_span(false)
+            .with_current_span(true)
             .with_span_list(false)
             .boxed(),
     };

@@ -11,6 +11,8 @@
 //!   over them), behind [`PartitionedSink`];
 //! - `Stream` (`--stream-url`, `--stream`), to come: the stream-protocol publisher.
 
+use tracing::Instrument as _;
+
 use crate::config::{ExchangeDeclare, RunConfig};
 use crate::error::Error;
 use crate::metrics::Telemetry;
@@ -222,7 +224,10 @@ async fn connect_partitions(
         if let Some(own) = signals.get(i) {
             config.signals = own.clone();
         }
-        let (sink, node) = connect_amqp(nodes, i, config, encoder).await?;
+        // Partition i's connect lines name it (span `partition`, as its sink's lines do).
+        let (sink, node) = connect_amqp(nodes, i, config, encoder)
+            .instrument(tracing::info_span!("partition", partition = i))
+            .await?;
         tracing::debug!(
             partition = i,
             of = count,

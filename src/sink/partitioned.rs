@@ -35,6 +35,9 @@ pub struct PartitionedSink {
     /// The part [`Sink::poll_settled`] polls first next time (rotates, so one busy part
     /// cannot starve the others' confirms).
     next_poll: usize,
+    /// Span `partition` (field `partition = i`) for part `i`, entered while it publishes or is
+    /// polled, so its log lines (blocked, unblocked, a protocol violation) name it.
+    spans: Vec<tracing::Span>,
 }
 
 impl std::fmt::Debug for PartitionedSink {
@@ -61,10 +64,14 @@ impl PartitionedSink {
             crate::partition::MAX_PARTITIONS,
             parts.len()
         );
+        let spans = (0..parts.len())
+            .map(|i| tracing::info_span!("partition", partition = i))
+            .collect();
         PartitionedSink {
             parts,
             key,
             next_poll: 0,
+            spans,
         }
     }
 
@@ -102,6 +109,7 @@ fn named(i: usize, error: SinkError) -> SinkError {
 impl Sink for PartitionedSink {
     fn publish(&mut self, delivery: Delivery) -> Result<(), SinkError> {
         let i = self.part_of(&delivery);
+        let _span = self.spans[i].enter();
         self.parts[i].publish(delivery).map_err(|e| named(i, e))
     }
 
@@ -120,7 +128,11 @@ impl Sink for PartitionedSink {
         let mut lost = None;
         for k in 0..n {
             let i = (start + k) % n;
-            match self.parts[i].poll_settled(cx) {
+            let polled = {
+                let _span = self.spans[i].enter();
+                self.parts[i].poll_settled(cx)
+            };
+            match polled {
                 Poll::Ready(Ok(outcomes)) => {
                     settled.extend(outcomes.into_iter().map(|(seq, outcome)| match outcome {
                         // The session ends on it: say which connection failed.

@@ -137,6 +137,15 @@ async fn each_key_keeps_its_commit_order_over_four_connections() {
         "the slot passes the last message:\n{}",
         streamer.log()
     );
+    // Each partition's lines name it: its connect line is in span `partition`.
+    let log = streamer.log();
+    for i in 0..4 {
+        assert!(
+            log.lines().any(|l| l.contains(&format!("partition{{partition={i}}}"))
+                && l.contains("connected to RabbitMQ")),
+            "partition {i}'s connect line names it:\n{log}"
+        );
+    }
     // Four connections, one per partition, named after it.
     let mut names = connection_names(rmq, &format!("pgoutbox {instance} partition"));
     names.sort();
