@@ -865,3 +865,48 @@ async fn setup_installs_the_inbox() {
     );
     assert_eq!(ob.sql("SELECT outbox.inbox_claim('c', 'm')").trim(), "t");
 }
+
+/// Issue 31: one inbox on several queues (`InboxConfig::with_queues`, as behind the
+/// consistent-hash topology) applies each queue's messages once, and stops cleanly.
+#[tokio::test]
+async fn one_inbox_consumes_several_queues() {
+    let rig = Rig::new("inbox_multi", "quorum").await;
+    // A second queue, declared like the first (its database is not used).
+    let other = Rig::new("inbox_multi_b", "quorum").await;
+    let ids: Vec<String> = (0..20).map(|i| format!("m-{i}")).collect();
+    let on = |range: std::ops::Range<usize>| -> Vec<(Option<&str>, Option<&str>, Vec<u8>)> {
+        ids[range]
+            .iter()
+            .map(|id| (Some(id.as_str()), None, b"{}".to_vec()))
+            .collect()
+    };
+    rig.publish(&on(0..10)).await;
+    other.publish(&on(10..20)).await;
+    let calls = Arc::new(AtomicU32::new(0));
+    let handler = Recording {
+        calls: calls.clone(),
+        fail: |_: &InboxMessage| false,
+    };
+    let inbox = rig
+        .start_inbox(
+            InboxConfig::with_queues("svc", [rig.queue.clone(), other.queue.clone()]),
+            handler,
+        )
+        .await;
+    // Ready counts exclude what the inbox holds unacked: wait for the ledger too.
+    let done = wait_until(scaled(Duration::from_secs(30)), || async {
+        rig.count("SELECT count(*) FROM ledger") >= 20
+            && rig.queue_len(&rig.queue).await == 0
+            && rig.queue_len(&other.queue).await == 0
+    })
+    .await;
+    let stats = inbox.stop().await;
+    assert!(done, "both queues drained: {stats:?}");
+    assert_eq!(
+        rig.sql("SELECT count(*) || '/' || count(DISTINCT message_id) FROM ledger"),
+        "20/20",
+        "every message of both queues applied once"
+    );
+    assert_eq!(stats.applied, 20, "{stats:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 20);
+}

@@ -141,8 +141,9 @@ async fn each_key_keeps_its_commit_order_over_four_connections() {
     let log = streamer.log();
     for i in 0..4 {
         assert!(
-            log.lines().any(|l| l.contains(&format!("partition{{partition={i}}}"))
-                && l.contains("connected to RabbitMQ")),
+            log.lines()
+                .any(|l| l.contains(&format!("partition{{partition={i}}}"))
+                    && l.contains("connected to RabbitMQ")),
             "partition {i}'s connect line names it:\n{log}"
         );
     }
