@@ -462,7 +462,7 @@ mod tests {
             (
                 Target::Postgres,
                 "host=h user=u password=old",
-                "--database-url <redacted connection string>",
+                "--database-url host=h user=u password=***",
             ),
             (
                 Target::Amqp,

@@ -207,10 +207,16 @@ pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<()
             });
         }
         if let Err(rule) = url_check(url) {
+            let shown = redact_url(url);
             return Err(ValidationError {
                 setting: "--amqp-url",
-                value: format!("{}{which}", redact_url(url)),
-                rule,
+                rule: crate::redaction::only_shown(
+                    rule,
+                    url,
+                    &shown,
+                    "not an AMQP URL (the parser's words would show a part of it that may be a password); expected amqp://user:password@host:port/vhost, with '@', ':', '/' and '?' in a password percent-encoded",
+                ),
+                value: format!("{shown}{which}"),
             });
         }
     }

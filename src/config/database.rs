@@ -34,7 +34,7 @@
 
 use std::path::PathBuf;
 
-use crate::redaction::redact_url;
+use crate::redaction::{redact_url, shown_value};
 use crate::validation::ValidationError;
 
 /// libpq's `sslmode`.
@@ -173,7 +173,7 @@ impl PostgresTls {
                     "require" => SslMode::Require,
                     "verify-ca" => SslMode::VerifyCa,
                     "verify-full" => SslMode::VerifyFull,
-                    other => return Err(format!("sslmode={other} is not an sslmode; use disable, allow, prefer (the default), require, verify-ca or verify-full")),
+                    other => return Err(format!("sslmode={} is not an sslmode; use disable, allow, prefer (the default), require, verify-ca or verify-full", shown_value(other))),
                 };
             }
             "sslrootcert" => {
@@ -199,17 +199,17 @@ impl PostgresTls {
                     "disable" => ChannelBindingMode::Disable,
                     "prefer" => ChannelBindingMode::Prefer,
                     "require" => ChannelBindingMode::Require,
-                    other => return Err(format!("channel_binding={other} is not a channel_binding mode; use disable, prefer (the default) or require")),
+                    other => return Err(format!("channel_binding={} is not a channel_binding mode; use disable, prefer (the default) or require", shown_value(other))),
                 };
             }
             "sslnegotiation" => {
                 if value != "postgres" {
-                    return Err(format!("sslnegotiation={value} is not supported: pgoutbox negotiates TLS with an SSLRequest (sslnegotiation=postgres, the default); remove the setting"));
+                    return Err(format!("sslnegotiation={} is not supported: pgoutbox negotiates TLS with an SSLRequest (sslnegotiation=postgres, the default); remove the setting", shown_value(value)));
                 }
             }
             "sslsni" => {
                 if value != "1" {
-                    return Err(format!("sslsni={value} is not supported: pgoutbox always sends the host name (SNI) when it is not an address; remove the setting"));
+                    return Err(format!("sslsni={} is not supported: pgoutbox always sends the host name (SNI) when it is not an address; remove the setting", shown_value(value)));
                 }
             }
             // libpq ignores it since PostgreSQL 14.
@@ -312,14 +312,32 @@ impl std::ops::Deref for DatabaseConfig {
 /// has a bad value or an unsupported `ssl*` parameter is given, or the TLS settings do not
 /// fit together ([`PostgresTls::validate`]).
 pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> {
-    let invalid = |rule: String| ValidationError {
+    let shown = redact_url(url);
+    let invalid = |rule: String| {
+        ValidationError {
         setting: "--database-url",
-        value: redact_url(url),
-        rule,
+        rule: crate::redaction::only_shown(
+            rule,
+            url,
+            &shown,
+            "it does not parse as a PostgreSQL connection string (the parser's words would show a part of it that may be a password); expected postgres://user:password@host:port/dbname, with '@', ':', '/', '?' and spaces in a password percent-encoded",
+        ),
+        value: shown.clone(),
+    }
     };
     if crate::redaction::at_after_authority(url) {
         return Err(invalid(
             "an '@' after the host (in the database name or the query): a typo in the URL? Expected postgres://user:password@host:port/dbname; write a literal '@' there as %40".into(),
+        ));
+    }
+    if url.contains("://") && url.trim().contains(char::is_whitespace) {
+        return Err(invalid(
+            "whitespace in the URL: percent-encode a space as %20, or write key=value settings without a URL (was more text glued on?)".into(),
+        ));
+    }
+    if authority_has_two_ats(url) {
+        return Err(invalid(
+            "more than one '@' before the host: an '@' in the user or the password is written %40 in a URL (postgres://user:pass%40word@host/dbname)".into(),
         ));
     }
     let (rest, tls) = split_tls_parameters(url).map_err(invalid)?;
@@ -355,6 +373,17 @@ pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> 
         pg: config,
         tls,
         session_name: None,
+    })
+}
+
+/// Whether the authority of a URL (after `://`, up to the first `/`, `?` or `#`) holds more
+/// than one '@': an unencoded '@' in a password, which parsers split differently (the url
+/// crate at the last '@', tokio-postgres and amq-protocol at the first), so that the rest
+/// of the password would be shown as the host.
+pub fn authority_has_two_ats(url: &str) -> bool {
+    url.split_once("://").is_some_and(|(_, rest)| {
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        rest[..end].matches('@').count() > 1
     })
 }
 
@@ -409,8 +438,14 @@ fn explain_parse_error(conn: &str, e: &tokio_postgres::Error) -> String {
 /// ports for `port`; a key/value string's pair), `key=***` for the password, `key` alone
 /// when the value cannot be found.
 fn shown_parameter(conn: &str, key: &str) -> String {
-    if key == "password" {
-        return "password=***".into();
+    // The key as the parser named it may be any text a typo left (a whole URL whose scheme
+    // lacks its ':'): named only when it is a plain name, its value only when the name is
+    // one whose values never hold a secret (crate::redaction::is_shown_key).
+    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return "(a parameter that is not a name: a typo in the URL?)".into();
+    }
+    if !crate::redaction::is_shown_key(key) {
+        return format!("{key}=***");
     }
     let value = if conn.starts_with("postgres://") || conn.starts_with("postgresql://") {
         let query = conn.split_once('?').map(|(_, q)| q).unwrap_or_default();
@@ -431,7 +466,8 @@ fn shown_parameter(conn: &str, key: &str) -> String {
             .map(|(_, _, _, v)| v)
     };
     match value {
-        Some(v) => format!("{key}={v:?}"),
+        Some(v) if shown_value(&v) == v => format!("{key}={v:?}"),
+        Some(_) => format!("{key}=***"),
         None => key.to_owned(),
     }
 }
@@ -536,7 +572,15 @@ fn key_value_pairs(text: &str) -> Result<Vec<(usize, usize, String, String)>, St
             i += 1;
             loop {
                 match bytes.get(i) {
-                    None => return Err(format!("the value of {key} has an unterminated quote")),
+                    None => {
+                        return Err(
+                            if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                                format!("the value of {key} has an unterminated quote")
+                            } else {
+                                "a value has an unterminated quote".to_owned()
+                            },
+                        )
+                    }
                     Some(b'\'') => {
                         i += 1;
                         break;
@@ -676,10 +720,7 @@ mod tests {
                 "postgres://u@h/db?sslmode=disable&channel_binding=require",
                 "channel_binding=require needs TLS",
             ),
-            (
-                "host=h user=u sslrootcert='/unterminated",
-                "unterminated quote",
-            ),
+            ("host=h user=u sslrootcert='/ca.pem", "unterminated quote"),
         ] {
             let e = parse_database_url(url).unwrap_err();
             assert_eq!(e.setting, "--database-url");
@@ -700,8 +741,9 @@ mod tests {
     #[test]
     fn an_unknown_parameter_or_a_bad_value_is_named_with_its_value_never_a_password() {
         for (conn, want) in [
-            ("postgres://u:secret@h/db?foo=bar", "unknown parameter foo=\"bar\""),
-            ("host=h user=u password=secret foo=bar", "unknown parameter foo=\"bar\""),
+            // An unknown key's value may be a misspelt secret key's: named, not shown.
+            ("postgres://u:secret@h/db?foo=bar", "unknown parameter foo=***"),
+            ("host=h user=u password=secret foo=bar", "unknown parameter foo=***"),
             (
                 "postgres://u:secret@h/db?port=abc",
                 "port=\"abc\" is not a valid port: write a port number from 1 to 65535",
@@ -711,8 +753,12 @@ mod tests {
                 "port=\"abc\" is not a valid port: write a port number from 1 to 65535",
             ),
             (
-                "postgres://u:secret@x@h1:5432,[::1]:abc/db",
+                "postgres://u:secret@h1:5432,[::1]:abc/db",
                 "port=\"5432,abc\" is not a valid port",
+            ),
+            (
+                "postgres://u:secret@x@h1:5432/db",
+                "more than one '@' before the host",
             ),
             (
                 "host=h port=5432,abc user=u",

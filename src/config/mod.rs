@@ -46,8 +46,8 @@ pub use broker::{
     BrokerSettings, ExchangeDeclare, PartitionKey, Partitions, UrlCheck, DEFAULT_EXCHANGE,
 };
 pub use database::{
-    parse_database_url, split_tls_parameters, ChannelBindingMode, DatabaseConfig, PostgresTls,
-    RootCert, SslMode, TLS_PARAMETERS,
+    authority_has_two_ats, parse_database_url, split_tls_parameters, ChannelBindingMode,
+    DatabaseConfig, PostgresTls, RootCert, SslMode, TLS_PARAMETERS,
 };
 pub use observability::{
     parse_http_addr, JournalMode, ObservabilitySettings, DEFAULT_STALL_AFTER, MAX_STALL_AFTER,

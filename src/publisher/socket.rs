@@ -99,8 +99,31 @@ impl Endpoint {
     /// for an unknown query parameter or a TLS setting that cannot be used
     /// ([`TlsOptions::from_query`]).
     pub fn parse(url: &str) -> Result<Endpoint, UrlError> {
-        let uri = AMQPUri::from_str(url).map_err(UrlError::Malformed)?;
+        // Errors never carry the input: the url crate's say what is wrong in words of their
+        // own; amq-protocol's may quote the text, so they are not shown.
         let parsed = url::Url::parse(url).map_err(|e| UrlError::Malformed(e.to_string()))?;
+        if url.contains(char::is_whitespace) {
+            return Err(UrlError::Malformed(
+                "whitespace in the URL: percent-encode a space as %20 (or was more text glued on?)"
+                    .into(),
+            ));
+        }
+        if crate::config::authority_has_two_ats(url) {
+            return Err(UrlError::Malformed(
+                "more than one '@' before the host: an '@' in the user or the password is written %40".into(),
+            ));
+        }
+        let uri = AMQPUri::from_str(url).map_err(|e| {
+            // amq-protocol's words ("invalid digit found in string") are shown unless they
+            // quote a piece of the input that the redacted form hides.
+            let shown = crate::config::redact_url(url);
+            UrlError::Malformed(crate::redaction::only_shown(
+                e,
+                url,
+                &shown,
+                "amq-protocol cannot read it",
+            ))
+        })?;
         for (key, _) in parsed.query_pairs() {
             if !AMQP_QUERY_KEYS.contains(&key.as_ref()) && !TLS_QUERY_KEYS.contains(&key.as_ref()) {
                 return Err(UrlError::Setting(format!(

@@ -101,7 +101,7 @@ fn connection_string_errors_name_the_parameter_the_value_and_the_fix() {
                 "--database-url",
                 "postgres://u:Old-pw@127.0.0.1:1/db?foo=bar",
             ],
-            &["unknown parameter foo=\"bar\"", "remove it or fix its name"],
+            &["unknown parameter foo=***", "remove it or fix its name"],
         ),
         (
             &["--database-url", "postgres://u:Old-pw@127.0.0.1:abc/db"],
