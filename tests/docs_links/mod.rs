@@ -284,3 +284,58 @@ fn the_checker_reports_each_kind_of_broken_link() {
         "only the four broken ones: {problems:#?}"
     );
 }
+
+/// Issue 32, item 7: every page of the book that the code names in a text it prints (an
+/// error's "see docs/src/...md", a log line, `--help`), with its `#anchor` if any, exists,
+/// so that an operator who follows it lands on the page and the heading.
+#[test]
+fn every_docs_page_and_anchor_named_in_the_code_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut sources = Vec::new();
+    let mut dirs = vec![root.join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                sources.push(path);
+            }
+        }
+    }
+    let mut named = 0;
+    let mut problems = Vec::new();
+    for file in &sources {
+        let text = std::fs::read_to_string(file).expect("read source");
+        for (at, _) in text.match_indices("docs/src/") {
+            let rest = &text[at..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || "/_.-#".contains(c)))
+                .unwrap_or(rest.len());
+            let link = rest[..end].trim_end_matches('.');
+            let (page, anchor) = link.split_once('#').unwrap_or((link, ""));
+            if !page.ends_with(".md") {
+                continue; // a directory named in prose, or a path built at run time
+            }
+            named += 1;
+            let where_ = format!(
+                "{}: {link}",
+                file.strip_prefix(root).unwrap_or(file).display()
+            );
+            let Ok(markdown) = std::fs::read_to_string(root.join(page)) else {
+                problems.push(format!("{where_}: no such page"));
+                continue;
+            };
+            if !anchor.is_empty() && !parse(&markdown).ids.contains(anchor) {
+                problems.push(format!("{where_}: no heading with id {anchor:?}"));
+            }
+        }
+    }
+    assert!(named > 10, "found only {named} pages named in src/");
+    assert!(
+        problems.is_empty(),
+        "{} of {named} pages named in the code do not resolve:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+}
