@@ -410,3 +410,62 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         "{e}"
     );
 }
+
+/// Issue 32, item 4: `channel_binding=require` is refused without TLS, end to end: against
+/// a real server without TLS (the shared one, trust authentication), `check` names the
+/// problem and `run` never streams; neither connects in a way that skips the binding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn channel_binding_require_is_refused_without_tls() {
+    let pg = crate::support::Postgres::shared();
+    let ob = crate::support::Outbox::new(
+        pg,
+        &crate::support::RabbitMq::shared().url(),
+        "pgtls_cb_plain",
+    )
+    .await;
+    let url = format!("{}?channel_binding=require", ob.streamer_url());
+    let out = crate::support::cli::pgoutbox(&[
+        "check",
+        "--database-url",
+        &url,
+        "--amqp-url",
+        &ob.amqp_url,
+        "--slot",
+        &ob.slot,
+        "--publication",
+        &ob.publication,
+        "--exchange",
+        &ob.exchange,
+    ]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("check: exit {:?}\n{text}", out.status.code());
+    assert_ne!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("channel"), "{text}");
+    let streamer = ob.run_with_url(&url, &[]);
+    let refused = streamer
+        .wait_for_log(
+            "channel",
+            crate::support::scaled(std::time::Duration::from_secs(30)),
+        )
+        .await;
+    let log = streamer.log();
+    println!("run:\n{log}");
+    assert!(refused, "{log}");
+    assert!(
+        log.contains("did not offer SCRAM-SHA-256-PLUS") && log.contains("channel_binding=prefer"),
+        "the refusal names the setting and the fixes: {log}"
+    );
+    let status = streamer
+        .wait_exit(crate::support::scaled(std::time::Duration::from_secs(30)))
+        .await;
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(1),
+        "a definite error: run stops instead of retrying: {log}"
+    );
+    assert!(!log.contains("streaming slot="), "run streamed: {log}");
+}
