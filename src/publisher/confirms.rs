@@ -101,9 +101,75 @@ pub struct Confirms<T> {
     slots: VecDeque<Option<Entry<T>>>,
     unsettled: usize,
     /// Unsettled delivery tags by [`MatchKey::Lsn`], ascending.
-    by_lsn: HashMap<Lsn, Vec<u64>>,
+    by_lsn: HashMap<Lsn, Tags, LsnHash>,
     /// Unsettled delivery tags by [`MatchKey::MessageId`], ascending.
-    by_id: HashMap<String, Vec<u64>>,
+    by_id: HashMap<String, Tags>,
+}
+
+/// The unsettled delivery tags under one key, ascending: one, nearly always (an LSN is
+/// unique among unsettled publishes; a message id is shared only by duplicates), so the
+/// index allocates nothing per publish for it.
+#[derive(Debug)]
+enum Tags {
+    /// One tag.
+    One(u64),
+    /// Several (ascending).
+    Many(Vec<u64>),
+}
+
+impl Tags {
+    fn push(&mut self, tag: u64) {
+        match self {
+            Tags::One(first) => *self = Tags::Many(vec![*first, tag]),
+            Tags::Many(tags) => tags.push(tag),
+        }
+    }
+
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            Tags::One(tag) => std::slice::from_ref(tag),
+            Tags::Many(tags) => tags,
+        }
+    }
+
+    /// Removes `tag`; true when none is left.
+    fn remove(&mut self, tag: u64) -> bool {
+        match self {
+            Tags::One(t) => *t == tag,
+            Tags::Many(tags) => {
+                if let Some(at) = tags.iter().position(|t| *t == tag) {
+                    tags.remove(at);
+                }
+                tags.is_empty()
+            }
+        }
+    }
+}
+
+/// The hasher of the LSN index: one multiply and a fold per key (an LSN is a `u64` we read
+/// from our own server, not attacker-chosen input that needs SipHash's flooding defence; its
+/// low bits are mostly zero, 8-byte aligned records, hence the fold).
+type LsnHash = std::hash::BuildHasherDefault<LsnHasher>;
+
+/// See [`LsnHash`].
+#[derive(Debug, Default)]
+struct LsnHasher(u64);
+
+impl std::hash::Hasher for LsnHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        let h = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 impl<T> Default for Confirms<T> {
@@ -112,16 +178,26 @@ impl<T> Default for Confirms<T> {
             base: 1,
             slots: VecDeque::new(),
             unsettled: 0,
-            by_lsn: HashMap::new(),
+            by_lsn: HashMap::default(),
             by_id: HashMap::new(),
+        }
+    }
+}
+
+/// Adds `tag` to the index entry `entry`.
+fn index<K>(entry: std::collections::hash_map::Entry<'_, K, Tags>, tag: u64) {
+    match entry {
+        std::collections::hash_map::Entry::Occupied(mut tags) => tags.get_mut().push(tag),
+        std::collections::hash_map::Entry::Vacant(slot) => {
+            slot.insert(Tags::One(tag));
         }
     }
 }
 
 /// Removes the settled `tag`, published with `key`, from the return index.
 fn forget(
-    by_lsn: &mut HashMap<Lsn, Vec<u64>>,
-    by_id: &mut HashMap<String, Vec<u64>>,
+    by_lsn: &mut HashMap<Lsn, Tags, LsnHash>,
+    by_id: &mut HashMap<String, Tags>,
     key: &MatchKey,
     tag: u64,
 ) {
@@ -132,18 +208,17 @@ fn forget(
 }
 
 /// Removes `tag` from the index entry under `key`, and the entry once it is empty.
-fn unindex<K: std::hash::Hash + Eq + ?Sized, Q: std::borrow::Borrow<K> + std::hash::Hash + Eq>(
-    index: &mut HashMap<Q, Vec<u64>>,
+fn unindex<
+    K: std::hash::Hash + Eq + ?Sized,
+    Q: std::borrow::Borrow<K> + std::hash::Hash + Eq,
+    S: std::hash::BuildHasher,
+>(
+    index: &mut HashMap<Q, Tags, S>,
     key: &K,
     tag: u64,
 ) {
-    if let Some(tags) = index.get_mut(key) {
-        if let Some(at) = tags.iter().position(|t| *t == tag) {
-            tags.remove(at);
-        }
-        if tags.is_empty() {
-            index.remove(key);
-        }
+    if index.get_mut(key).is_some_and(|tags| tags.remove(tag)) {
+        index.remove(key);
     }
 }
 
@@ -152,12 +227,10 @@ impl<T> Confirms<T> {
     pub fn published(&mut self, tag: T, key: MatchKey) -> u64 {
         let delivery_tag = self.base + self.slots.len() as u64;
         match &key {
-            MatchKey::Lsn(lsn) => self.by_lsn.entry(*lsn).or_default().push(delivery_tag),
-            MatchKey::MessageId(id) => self
-                .by_id
-                .entry(id.as_str().to_owned())
-                .or_default()
-                .push(delivery_tag),
+            MatchKey::Lsn(lsn) => index(self.by_lsn.entry(*lsn), delivery_tag),
+            MatchKey::MessageId(id) => {
+                index(self.by_id.entry(id.as_str().to_owned()), delivery_tag)
+            }
         }
         self.slots.push_back(Some(Entry {
             tag,
@@ -204,8 +277,8 @@ impl<T> Confirms<T> {
         // match is marked. Every unmarked publish sharing the message id is marked.
         let by_lsn = key.lsn.and_then(|lsn| self.by_lsn.get(&lsn));
         let by_id = key.message_id.and_then(|id| self.by_id.get(id));
-        let lsn_tags = by_lsn.map(Vec::as_slice).unwrap_or_default();
-        let id_tags = by_id.map(Vec::as_slice).unwrap_or_default();
+        let lsn_tags = by_lsn.map(Tags::as_slice).unwrap_or_default();
+        let id_tags = by_id.map(Tags::as_slice).unwrap_or_default();
         for (tags, only_first) in [(lsn_tags, true), (id_tags, false)] {
             for tag in tags {
                 let Some(Some(entry)) = self.slots.get_mut((tag - self.base) as usize) else {
@@ -652,7 +725,7 @@ mod tests {
                             }
                         }
                     }
-                    let indexed: usize = c.by_lsn.values().chain(c.by_id.values()).map(Vec::len).sum();
+                    let indexed: usize = c.by_lsn.values().chain(c.by_id.values()).map(|t| t.as_slice().len()).sum();
                     prop_assert_eq!(indexed, c.unsettled());
                     prop_assert_eq!(c.unsettled(), naive.entries.iter().filter(|e| !e.3).count());
                 }
