@@ -531,3 +531,71 @@ async fn a_multi_host_url_skips_a_read_only_server_on_both_connections() {
     );
     streamer.stop(scaled(Duration::from_secs(30))).await;
 }
+
+/// Issue 32, item 4: the fix of c32fb94, deterministically. A standby that takes over the
+/// slot takes the standby tag off its SQL session, so `status` names it as the holder and
+/// lists no standby (before the fix it listed the new holder among its own standbys: found
+/// once, by chance, in the three-replica test). Two streamers, the holder killed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_that_takes_over_is_no_longer_listed_as_a_standby() {
+    let pg = Postgres::shared();
+    let ob = Outbox::new(pg, &RabbitMq::shared().url(), "standby_leave").await;
+    let prefix = support::unique("sl");
+    let (a, b) = (format!("{prefix}-a"), format!("{prefix}-b"));
+    let first = ob.run(&["--instance-id", &a, "--standby-poll-ms", "200"]);
+    let client = pg.client(&ob.db).await;
+    let holder_a = wait_for_holder(&client, &ob.slot, None, scaled(Duration::from_secs(30))).await;
+    assert_eq!(
+        holder_a.as_deref(),
+        Some(format!("pgoutbox-{a}").as_str()),
+        "{}",
+        first.log()
+    );
+    let second = ob.run(&["--instance-id", &b, "--standby-poll-ms", "200"]);
+    let status = || {
+        let out = ob.cli(&["status", "--json", "--publication", &ob.publication]);
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("status --json")
+    };
+    let b_name = format!("pgoutbox-{b}");
+    let listed = support::wait_until(scaled(Duration::from_secs(30)), || {
+        let ok = status()["standbys"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|v| v == b_name.as_str()));
+        async move { ok }
+    })
+    .await;
+    assert!(
+        listed,
+        "b is listed as a standby: {}\n{}",
+        status(),
+        second.log()
+    );
+    first.kill9();
+    let holder_b = wait_for_holder(
+        &client,
+        &ob.slot,
+        holder_a.as_deref(),
+        scaled(Duration::from_secs(60)),
+    )
+    .await;
+    assert_eq!(
+        holder_b.as_deref(),
+        Some(b_name.as_str()),
+        "{}",
+        second.log()
+    );
+    let mut report = serde_json::Value::Null;
+    let settled = support::wait_until(scaled(Duration::from_secs(20)), || {
+        report = status();
+        let ok = report["holder"] == b_name.as_str()
+            && report["standbys"].as_array().is_some_and(|s| s.is_empty());
+        async move { ok }
+    })
+    .await;
+    assert!(
+        settled,
+        "the new holder is no standby of its own: {report}\n{}",
+        second.log()
+    );
+    second.stop_ok(scaled(Duration::from_secs(30))).await;
+}
