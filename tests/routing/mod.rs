@@ -357,3 +357,54 @@ async fn check_reports_the_allow_list_and_a_missing_exchange_under_no_declare() 
     );
     assert_ne!(out.status.code(), Some(0), "a problem fails check: {text}");
 }
+
+/// Issue 32, item 4: a producer-named exchange that is `internal` (clients may not publish
+/// to it) closes the channel with 403 ACCESS_REFUSED on a publish (`--no-declare`; with
+/// declares on, the declare is refused first with a 406): end to end, that
+/// message is dead-lettered with the broker's code and text, the messages before and after
+/// it (to `--exchange`) arrive, and the slot moves past them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_to_an_internal_exchange_is_dead_lettered_with_the_403() {
+    let url = RabbitMq::shared().url();
+    let ob = Outbox::new(Postgres::shared(), &url, "routing_internal").await;
+    let internal = unique("routing_internal_x");
+    {
+        let conn = crate::support::amqp_connect(&url).await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.exchange_declare(
+            internal.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            lapin::options::ExchangeDeclareOptions {
+                durable: true,
+                internal: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("declare internal");
+        let _ = conn.close(200, "bye".into()).await;
+    }
+    // --no-declare: the message goes straight to the exchange (a declare would be refused
+    // first, with a 406 for the `internal` argument).
+    let s = ob.run(&["--no-declare"]);
+    started(&s).await;
+    ob.sql(&emit("t", "i0", None));
+    ob.sql(&emit("t", "i1", Some(&internal)));
+    let last = ob.sql(&emit("t", "i2", None)).trim().to_owned();
+    // The channel's close ends the session: i0, unconfirmed then, may arrive twice (a
+    // reconnect may duplicate, never lose).
+    assert!(wait_flushed_past(&ob, &last).await, "slot did not advance");
+    // Past i2's commit, so everything routed is in the queue: read it all.
+    let mut got = ids(&ob.drain(10, scaled(Duration::from_secs(2))).await);
+    got.dedup();
+    assert_eq!(got, ["i0", "i2"], "{}", s.log());
+    let dl = wait_dead_letters(&ob, 1).await;
+    assert_eq!(dl[0].0, "i1", "{dl:?}");
+    assert!(
+        dl[0].2.contains("403") && dl[0].2.contains("ACCESS_REFUSED"),
+        "the broker's code and text: {dl:?}\n{}",
+        s.log()
+    );
+    println!("dead letter: {dl:?}");
+}
