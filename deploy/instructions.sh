@@ -18,7 +18,7 @@ shape=${2:-full}
 partitions=${3:-1}
 command -v valgrind >/dev/null || { echo "instructions.sh: valgrind is missing (apt-get install valgrind)" >&2; exit 2; }
 bash deploy/stack.sh install
-if [ -z "${PGOUTBOX_INSTRUCTIONS_SKIP_BUILD:-}" ]; then
+if [ -z "${PGOUTBOX_BENCH_SKIP_BUILD:-}" ]; then
     cargo build --release --bin pgoutbox --example consume
 fi
 out=target/instructions
