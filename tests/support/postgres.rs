@@ -119,13 +119,16 @@ impl Postgres {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
+        // Every outbox a test makes on the shared cluster keeps its slot until the run ends:
+        // 479 tests made more than 128 (CI, 2026-12-06: six setups refused with "no free
+        // replication slot"), so the bound has room for several times that.
         let mut conf = format!(
             "\n# --- pgoutbox test harness ---\n\
              port = {port}\n\
              listen_addresses = '127.0.0.1'\n\
              unix_socket_directories = '{sock}'\n\
              wal_level = logical\n\
-             max_replication_slots = 128\n\
+             max_replication_slots = 512\n\
              max_wal_senders = 64\n\
              max_connections = 200\n\
              fsync = off\n\
