@@ -126,7 +126,7 @@ async fn check_reports_a_healthy_setup_and_the_winning_setting() {
     for want in [
         version.as_str(),
         "wal_level:              logical",
-        "max_replication_slots:  128 (",
+        "max_replication_slots:  512 (",
         "max_wal_senders:",
         "REPLICATION yes",
         &format!(
