@@ -339,3 +339,209 @@ fn every_docs_page_and_anchor_named_in_the_code_exists() {
         problems.join("\n")
     );
 }
+
+/// The texts of the `#[error("...")]` attributes under `src/`, as written (escapes kept), each
+/// with the file it is in. A text made only of placeholders (`{0}`, `transparent`) is a
+/// wrapper whose inner error has its own text, and is skipped.
+fn error_texts(root: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read source");
+            let file = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
+            for (at, _) in text.match_indices("#[error(\"") {
+                let body = &text[at + "#[error(\"".len()..];
+                let mut end = None;
+                let mut escaped = false;
+                for (i, c) in body.char_indices() {
+                    match c {
+                        '\\' if !escaped => escaped = true,
+                        '"' if !escaped => {
+                            end = Some(i);
+                            break;
+                        }
+                        _ => escaped = false,
+                    }
+                }
+                let literal = &body[..end.expect("an #[error(\"...\")] literal ends")];
+                out.push((file.clone(), literal.to_owned()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Lowercase, Markdown emphasis and code marks, string escapes and `:;,` dropped, whitespace folded,
+/// so that an error text and the page's quotation of it compare equal.
+fn folded(text: &str) -> String {
+    text.replace("\\\"", "\"")
+        .chars()
+        .filter(|c| !"`*\\:;,".contains(*c))
+        .collect::<String>()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
+}
+
+/// What of an error text the troubleshooting page may quote: the start (up to six words) of
+/// each run of literal text between placeholders that has three words or more (the page
+/// quotes a long text by a part of it, with `...` and `<placeholders>` for the rest). Empty
+/// when no run has three words: a wrapper such as `"postgres: {context}"`, whose inner text
+/// is the message.
+fn quotable(literal: &str) -> Vec<String> {
+    let mut runs = Vec::new();
+    let mut run = String::new();
+    let mut depth = 0;
+    for c in literal.chars() {
+        match c {
+            '{' => {
+                depth += 1;
+                runs.push(std::mem::take(&mut run));
+            }
+            '}' if depth > 0 => depth -= 1,
+            _ if depth == 0 => run.push(c),
+            _ => {}
+        }
+    }
+    runs.push(run);
+    runs.iter()
+        .map(|r| folded(r.trim_matches(|c: char| !c.is_alphanumeric())))
+        .filter_map(|r| {
+            let words: Vec<&str> = r.split(' ').collect();
+            (words.len() >= 3).then(|| words[..words.len().min(6)].join(" "))
+        })
+        .collect()
+}
+
+/// Error texts that have no entry of their own on the troubleshooting page, each with why: an
+/// operator never reads them alone, because another text that has an entry carries them
+/// (its `{reason}` or `{source}`), or they are not operator-facing at all. An entry here
+/// that matches no error text any more fails the test, so the list cannot go stale.
+const NO_ENTRY_OF_THEIR_OWN: &[(&str, &str)] = &[
+    (
+        "empty envelope",
+        "a decode error: the dead letter's reason `poison` carries it",
+    ),
+    (
+        "envelope header",
+        "a decode error: the dead letter's reason `poison` carries it",
+    ),
+    (
+        "envelope traceparent",
+        "a decode error: the dead letter's reason `poison` carries it",
+    ),
+    (
+        "envelope tracestate",
+        "a decode error: the dead letter's reason `poison` carries it",
+    ),
+    (
+        "empty pgoutput message",
+        "the {reason} of 'could not decode the pgoutput message at LSN'",
+    ),
+    (
+        "empty copydata body",
+        "the {reason} of 'could not decode the pgoutput message at LSN'",
+    ),
+    (
+        "primary keepalive must be exactly",
+        "the {reason} of 'replication protocol violation'",
+    ),
+    (
+        "a transaction began while another",
+        "the {source} of 'broke pgoutput's transaction order'",
+    ),
+    (
+        "a transactional message or commit arrived",
+        "the {source} of 'broke pgoutput's transaction order'",
+    ),
+    (
+        "invalid lsn",
+        "not printed: the code parses only LSNs PostgreSQL wrote, and drops what fails",
+    ),
+    (
+        "bytes long the limit is 255 bytes",
+        "a decode error: the dead letter's reason `poison` carries it",
+    ),
+    (
+        "a confirm arrived for a message",
+        "the text of 'internal error, please report it'",
+    ),
+    (
+        "returned a message",
+        "the {what} of 'RabbitMQ broke the publisher-confirm protocol'",
+    ),
+    (
+        "sent basic.",
+        "the {what} of 'RabbitMQ broke the publisher-confirm protocol'",
+    ),
+    (
+        "but pgoutbox publishes only on channel",
+        "the {what} of 'RabbitMQ broke the publisher-confirm protocol'",
+    ),
+];
+
+/// Issue 32, item 7: every error text the code defines (`#[error("...")]` under `src/`) has
+/// an entry on the troubleshooting page, found by the start of one of its literal runs, or is
+/// in [`NO_ENTRY_OF_THEIR_OWN`] with the reason. Texts built with `format!` inside a `{0}`
+/// wrapper are not seen by this test.
+#[test]
+fn every_error_text_has_a_troubleshooting_entry() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = folded(
+        &std::fs::read_to_string(root.join("docs/src/operators/troubleshooting.md"))
+            .expect("read troubleshooting page"),
+    );
+    let texts = error_texts(root);
+    assert!(texts.len() > 50, "found only {} error texts", texts.len());
+    let mut used = BTreeSet::new();
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for (file, literal) in &texts {
+        let quotes = quotable(literal);
+        if quotes.is_empty() {
+            continue;
+        }
+        checked += 1;
+        let all = folded(literal);
+        if let Some((prefix, _)) = NO_ENTRY_OF_THEIR_OWN
+            .iter()
+            .find(|(prefix, _)| all.contains(prefix))
+        {
+            used.insert(*prefix);
+            continue;
+        }
+        if !quotes.iter().any(|q| page.contains(q)) {
+            missing.push(format!("{file}: {literal:?}"));
+        }
+    }
+    let stale: Vec<_> = NO_ENTRY_OF_THEIR_OWN
+        .iter()
+        .filter(|(prefix, _)| !used.contains(prefix))
+        .map(|(prefix, _)| *prefix)
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "NO_ENTRY_OF_THEIR_OWN names texts the code no longer has: {stale:?}"
+    );
+    assert!(
+        missing.is_empty(),
+        "{} of {checked} error texts have no entry on docs/src/operators/troubleshooting.md:\n{}",
+        missing.len(),
+        missing.join("\n")
+    );
+}
