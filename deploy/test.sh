@@ -7,7 +7,8 @@
 #                                  # a server of their own (all but the test group `servers`
 #                                  # of .config/nextest.toml); no clippy
 #
-# Installs PostgreSQL, RabbitMQ and cargo-nextest if missing. The tests run under
+# Installs PostgreSQL, RabbitMQ, cargo-nextest and the tests' Python stream client
+# (deploy/test-python.sh) if missing. The tests run under
 # cargo-nextest, one process per test, 8 at a time on any machine: they mostly wait on
 # servers. The PostgreSQL cluster and the RabbitMQ node most tests use are shared by the whole
 # run (the first test that needs one starts it; PGOUTBOX_TEST_SHARED_DIR), and the tests that
@@ -31,6 +32,8 @@ case "${1:-}" in
 esac
 
 bash deploy/stack.sh install
+# rstream, the stream client the tests read streams with (pinned, in target/python).
+bash deploy/test-python.sh >/dev/null
 export PATH="$HOME/.cargo/bin:$PATH"
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "test.sh: installing cargo-nextest from crates.io (a few minutes, once)" >&2

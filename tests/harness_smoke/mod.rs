@@ -195,3 +195,91 @@ async fn drain_counts_distinct_message_ids_not_redeliveries() {
     let ids: Vec<_> = got.iter().filter_map(|m| m.message_id.as_deref()).collect();
     assert_eq!(ids, ["a", "a", "b"], "{got:?}");
 }
+
+/// The stream plugin on the harness' nodes, and rstream (a client we did not write) on both
+/// ends: a stream declared over AMQP 0-9-1, three AMQP 1.0 messages published with rstream
+/// under a producer name, read back from the first offset with every property, application
+/// property and byte of the body; the same publishing ids again are confirmed and dropped by
+/// the broker's deduplication (the stream still holds three).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_stream_plugin_and_rstream() {
+    use serde_json::json;
+    use support::StreamPublish;
+
+    let rmq = RabbitMq::shared();
+    let port = rmq.stream_port();
+    assert_ne!(port, rmq.port());
+    assert!(support::port_open(port), "stream port {port} closed");
+    assert_eq!(
+        rmq.stream_url(),
+        format!("rabbitmq-stream://guest:guest@127.0.0.1:{port}/%2f")
+    );
+    let stream = support::unique("smoke_stream");
+    support::declare_stream(&rmq.url(), &stream, &[]).await;
+
+    let binary: Vec<u8> = (0..=255u8).rev().collect();
+    let bodies: [&[u8]; 3] = [br#"{"id": 1}"#, &binary, b"\0three\r\n"];
+    let messages: Vec<StreamPublish> = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, body)| StreamPublish {
+            body: body.to_vec(),
+            message_id: Some(format!("m-{i}")),
+            subject: Some("orders.created".into()),
+            content_type: Some("application/json".into()),
+            creation_time: Some(1_700_000_000_000 + i as i64),
+            correlation_id: Some(format!("c-{i}")),
+            application_properties: vec![
+                (
+                    "x-pgoutbox-lsn".into(),
+                    json!(format!("0/{:X}", 0x1000 + i)),
+                ),
+                ("x-index".into(), json!(i)),
+                ("x-flag".into(), json!(i % 2 == 0)),
+            ],
+            publishing_id: Some(10 + i as u64),
+        })
+        .collect();
+    let url = rmq.stream_url();
+    let producer = support::unique("smoke_producer");
+    let (got, again) = tokio::task::spawn_blocking({
+        let (stream, messages) = (stream.clone(), messages.clone());
+        move || {
+            let ids = support::publish_stream(&url, &stream, Some(&producer), &messages);
+            assert_eq!(ids, [10, 11, 12]);
+            let got =
+                support::read_stream(rmq, &stream, 3, support::scaled(Duration::from_secs(60)));
+            // The same ids under the same name: confirmed, and dropped.
+            let ids = support::publish_stream(&url, &stream, Some(&producer), &messages);
+            assert_eq!(ids, [10, 11, 12]);
+            let again =
+                support::read_stream(rmq, &stream, 4, support::scaled(Duration::from_secs(5)));
+            (got, again)
+        }
+    })
+    .await
+    .unwrap();
+
+    assert_eq!(got.len(), 3, "{got:#?}");
+    for (i, m) in got.iter().enumerate() {
+        assert_eq!(m.offset, i as u64);
+        assert_eq!(m.message_id.as_deref(), Some(format!("m-{i}").as_str()));
+        assert_eq!(m.subject.as_deref(), Some("orders.created"));
+        assert_eq!(m.content_type.as_deref(), Some("application/json"));
+        assert_eq!(m.creation_time, Some(1_700_000_000_000 + i as i64));
+        assert_eq!(m.correlation_id.as_deref(), Some(format!("c-{i}").as_str()));
+        assert_eq!(
+            m.app_str("x-pgoutbox-lsn"),
+            Some(format!("0/{:X}", 0x1000 + i).as_str())
+        );
+        assert_eq!(m.application_properties["x-index"], json!(i));
+        assert_eq!(m.application_properties["x-flag"], json!(i % 2 == 0));
+        assert_eq!(m.application_properties.len(), 3, "{m:?}");
+        assert!(m.has_body);
+        assert_eq!(m.body, bodies[i], "message {i}");
+        // As stored: rstream writes the properties section first (descriptor 0x73, as a
+        // small ulong).
+        assert_eq!(m.raw[..3], [0x00, 0x53, 0x73], "{m:?}");
+    }
+    assert_eq!(again, got, "deduplicated: the stream still holds the three");
+}

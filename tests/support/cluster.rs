@@ -4,7 +4,8 @@
 //! `stop_app` / `reset`.
 //!
 //! Kept small for a 2-core machine: one scheduler per VM (`+S 1:1`), no busy-waiting
-//! schedulers (`+sbwt none`), no plugins, a 32 MiB Ra WAL (the quorum queues' log, held in
+//! schedulers (`+sbwt none`), the plugins every test node has (`DEFAULT_PLUGINS`: each node
+//! has a stream listener of its own, [`RabbitCluster::stream_urls`]), a 32 MiB Ra WAL (the quorum queues' log, held in
 //! memory until it is flushed to segments). Boot is bounded: every node must open its
 //! port within 60 s (scaled), and every join finish within 60 s.
 
@@ -107,6 +108,11 @@ impl RabbitCluster {
     /// Every node's `amqp://` URL, in node order.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RabbitMq::url).collect()
+    }
+
+    /// Every node's `rabbitmq-stream://` URL, in node order.
+    pub fn stream_urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RabbitMq::stream_url).collect()
     }
 
     /// Total `(VmRSS, VmHWM)` of the running nodes' Erlang VMs, in KiB.

@@ -39,6 +39,7 @@ pub mod pg_tls;
 pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
+pub mod stream;
 pub mod streamer;
 pub mod tls;
 
@@ -61,6 +62,9 @@ pub use pg_tls::TlsPostgres;
 pub use postgres::Postgres;
 pub use proxy::Proxy;
 pub use rabbit::RabbitMq;
+pub use stream::{
+    declare_stream, publish_stream, read_stream, read_stream_url, StreamMessage, StreamPublish,
+};
 pub use streamer::Streamer;
 pub use tls::TlsRabbit;
 
@@ -146,9 +150,11 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// The ports [`free_port`] and [`free_port_outside_ephemeral_range`] handed out.
+static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+
 /// A free TCP port on 127.0.0.1, never the same twice within this process.
 pub fn free_port() -> u16 {
-    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
     let mut guard = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     let set = guard.get_or_insert_with(HashSet::new);
     for _ in 0..1000 {
@@ -164,6 +170,39 @@ pub fn free_port() -> u16 {
         return port;
     }
     panic!("could not find a free port");
+}
+
+/// A free TCP port on 127.0.0.1 below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, from 10000 up), never the same twice within this process.
+///
+/// A port of [`free_port`] comes from the ephemeral range, where any outgoing connection may
+/// take it as its local port while its server is down: a server restarted on such a port may
+/// find it taken. Below the range only a listener binds a port, so a server that binds this one
+/// again after a restart finds it free (unless a server of another test process picked the
+/// same port, as with [`free_port`]: the pick is random over about 22,000 ports).
+pub fn free_port_outside_ephemeral_range() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    if low <= 11_000 {
+        return free_port();
+    }
+    let mut guard = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let set = guard.get_or_insert_with(HashSet::new);
+    for _ in 0..1000 {
+        // RandomState is seeded afresh per process (and per call): a random port.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        let port = 10_000 + (h.finish() % u64::from(low - 10_000)) as u16;
+        if set.contains(&port) || TcpListener::bind(("127.0.0.1", port)).is_err() {
+            continue;
+        }
+        set.insert(port);
+        return port;
+    }
+    panic!("could not find a free port below {low}");
 }
 
 /// True if something accepts TCP connections on 127.0.0.1:port.

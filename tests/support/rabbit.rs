@@ -2,8 +2,9 @@
 //!
 //! Each node is fully private: own node name, AMQP port, distribution port,
 //! epmd port (`ERL_EPMD_PORT`, so the system epmd on 4369 is never used),
-//! rabbitmqctl distribution port range, mnesia/log dirs, empty plugin list,
-//! and a private `HOME` holding the Erlang cookie. `rabbitmqctl` is always
+//! rabbitmqctl distribution port range, mnesia/log dirs, the plugins of
+//! [`DEFAULT_PLUGINS`] (with the stream plugin, a stream-protocol listener on a port of its
+//! own), and a private `HOME` holding the Erlang cookie. `rabbitmqctl` is always
 //! invoked with the very same environment (see [`RabbitMq::env`]).
 
 use std::os::unix::process::CommandExt;
@@ -22,6 +23,8 @@ pub struct RabbitMq {
     bin: PathBuf,
     nodename: String,
     amqp_port: u16,
+    /// The stream-protocol listener's port, when the node has the `rabbitmq_stream` plugin.
+    stream_port: Option<u16>,
     dist_port: u16,
     epmd_port: u16,
     ctl_port_min: u16,
@@ -53,9 +56,14 @@ pub struct NodeOptions {
 }
 
 /// The plugins every node has from boot: the consistent-hash exchange of the partitions
-/// topology (issue 18) and `pgoutbox declare-topology` (issue 31), enabled through the
-/// node's enabled-plugins file so no test pays a restart or a `rabbitmq-plugins` call.
-pub const DEFAULT_PLUGINS: &[&str] = &["rabbitmq_consistent_hash_exchange"];
+/// topology (issue 18) and `pgoutbox declare-topology` (issue 31), and the stream protocol
+/// (`rabbitmq_stream`, issue 19: [`RabbitMq::stream_url`]), enabled through the node's
+/// enabled-plugins file so no test pays a restart or a `rabbitmq-plugins` call.
+pub const DEFAULT_PLUGINS: &[&str] = &["rabbitmq_consistent_hash_exchange", STREAM_PLUGIN];
+
+/// The plugin of the stream protocol. A node that has it listens for that protocol on a port
+/// of its own ([`RabbitMq::stream_port`]), and its Metadata answers name that port.
+pub const STREAM_PLUGIN: &str = "rabbitmq_stream";
 
 static SHARED: OnceLock<RabbitMq> = OnceLock::new();
 
@@ -77,11 +85,12 @@ impl RabbitMq {
     /// This node as `key=value` lines, for [`RabbitMq::attach`] in another test process.
     pub(crate) fn describe(&self) -> String {
         format!(
-            "root={}\nbin={}\nnodename={}\namqp_port={}\ndist_port={}\nepmd_port={}\nctl_port_min={}\nhome={}\nextra_erl_args={}\n",
+            "root={}\nbin={}\nnodename={}\namqp_port={}\nstream_port={}\ndist_port={}\nepmd_port={}\nctl_port_min={}\nhome={}\nextra_erl_args={}\n",
             self.root.display(),
             self.bin.display(),
             self.nodename,
             self.amqp_port,
+            self.stream_port.unwrap_or(0),
             self.dist_port,
             self.epmd_port,
             self.ctl_port_min,
@@ -99,6 +108,7 @@ impl RabbitMq {
             bin: super::described(text, "bin").into(),
             nodename: super::described(text, "nodename").into(),
             amqp_port: port("amqp_port"),
+            stream_port: Some(port("stream_port")).filter(|p| *p != 0),
             dist_port: port("dist_port"),
             epmd_port: port("epmd_port"),
             ctl_port_min: port("ctl_port_min"),
@@ -154,7 +164,17 @@ impl RabbitMq {
         let t0 = Instant::now();
         let bin = find_bin_dir();
         let root = make_server_dir("pgoutbox-rmq-");
+        let plugins = options
+            .plugins
+            .clone()
+            .unwrap_or_else(|| DEFAULT_PLUGINS.iter().map(|p| (*p).to_owned()).collect());
         let amqp_port = free_port();
+        // Outside the ephemeral range: a restart (RabbitMq::restart) binds it again, and no
+        // client connection's local port can have taken it meanwhile.
+        let stream_port = plugins
+            .iter()
+            .any(|p| p == STREAM_PLUGIN)
+            .then(super::free_port_outside_ephemeral_range);
         let dist_port = free_port();
         let epmd_port = options.epmd_port.unwrap_or_else(free_port);
         let ctl_port_min = free_port();
@@ -168,6 +188,7 @@ impl RabbitMq {
             bin,
             nodename,
             amqp_port,
+            stream_port,
             dist_port,
             epmd_port,
             ctl_port_min,
@@ -180,10 +201,6 @@ impl RabbitMq {
             std::fs::create_dir_all(r.root.join(d)).expect("mkdir");
         }
         set_mode(&r.root.join("home"), 0o700);
-        let plugins = options
-            .plugins
-            .clone()
-            .unwrap_or_else(|| DEFAULT_PLUGINS.iter().map(|p| (*p).to_owned()).collect());
         std::fs::write(
             r.root.join("enabled_plugins"),
             format!("[{}].\n", plugins.join(",")),
@@ -202,6 +219,16 @@ impl RabbitMq {
         if options.epmd_port.is_none() {
             extra_conf.push_str(&format!("\ncluster_name = {}", r.nodename));
         }
+        // The stream listener, and what Metadata answers and the peer properties name as this
+        // node's address (the defaults are the host name and 5552). Only with the plugin:
+        // without it these keys are unknown and the node refuses to boot.
+        if let Some(port) = stream_port {
+            extra_conf.push_str(&format!(
+                "\nstream.listeners.tcp.1 = 127.0.0.1:{port}\n\
+                 stream.advertised_host = 127.0.0.1\n\
+                 stream.advertised_port = {port}"
+            ));
+        }
         std::fs::write(
             r.root.join("rabbitmq.conf"),
             format!(
@@ -217,10 +244,11 @@ impl RabbitMq {
         spawn_watchdog(&r.root);
         r.spawn_server();
         eprintln!(
-            "[harness] rabbitmq {} node {} on port {} ready in {:.1?} ({})",
+            "[harness] rabbitmq {} node {} on port {}{} ready in {:.1?} ({})",
             if private { "private" } else { "shared" },
             r.nodename,
             r.amqp_port,
+            stream_port.map_or(String::new(), |p| format!(" (stream {p})")),
             t0.elapsed(),
             r.root.display()
         );
@@ -244,7 +272,8 @@ impl RabbitMq {
         // Generous: on a loaded 2-core machine several nodes boot at once (each an Erlang VM
         // start, seconds of CPU), and 60 s was seen to pass.
         let deadline = Instant::now() + super::scaled(Duration::from_secs(240));
-        while !port_open(self.amqp_port) {
+        // The stream listener too: its plugin starts after the broker's core.
+        while !port_open(self.amqp_port) || self.stream_port.is_some_and(|p| !port_open(p)) {
             let exited = self
                 .server
                 .lock()
@@ -259,8 +288,9 @@ impl RabbitMq {
             }
             if Instant::now() > deadline {
                 panic!(
-                    "rabbitmq-server did not open port {}:\n{}",
+                    "rabbitmq-server did not open port {} (stream: {:?}):\n{}",
                     self.amqp_port,
+                    self.stream_port,
                     tail(&self.root.join("server.out"), 40)
                 );
             }
@@ -328,6 +358,25 @@ impl RabbitMq {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp_port)
     }
 
+    /// The stream-protocol port on 127.0.0.1 (`stream.listeners.tcp.1`, also the node's
+    /// `stream.advertised_port`). Panics for a node started without [`STREAM_PLUGIN`].
+    pub fn stream_port(&self) -> u16 {
+        self.stream_port.unwrap_or_else(|| {
+            panic!(
+                "RabbitMQ node {} has no stream listener: started without the {STREAM_PLUGIN} plugin",
+                self.nodename
+            )
+        })
+    }
+
+    /// `rabbitmq-stream://guest:guest@127.0.0.1:PORT/%2f` (see [`RabbitMq::stream_port`]).
+    pub fn stream_url(&self) -> String {
+        format!(
+            "rabbitmq-stream://guest:guest@127.0.0.1:{}/%2f",
+            self.stream_port()
+        )
+    }
+
     /// Run `rabbitmqctl ARGS` against this node; returns the raw output.
     pub fn ctl(&self, args: &[&str]) -> Output {
         Command::new(self.bin.join("rabbitmqctl"))
@@ -380,13 +429,18 @@ impl RabbitMq {
         self.ctl_ok(&["stop_app"]);
     }
 
-    /// `rabbitmqctl start_app`, then waits until the AMQP port accepts again.
+    /// `rabbitmqctl start_app`, then waits until the AMQP port (and the stream port, when
+    /// the node has one) accepts again.
     pub fn start_app(&self) {
         self.ctl_ok(&["start_app"]);
         let ok = super::wait_until_blocking(super::scaled(Duration::from_secs(30)), || {
-            port_open(self.amqp_port)
+            port_open(self.amqp_port) && self.stream_port.is_none_or(port_open)
         });
-        assert!(ok, "AMQP port {} did not reopen", self.amqp_port);
+        assert!(
+            ok,
+            "AMQP port {} (stream: {:?}) did not reopen",
+            self.amqp_port, self.stream_port
+        );
     }
 
     /// The Erlang VM's pid (`RABBITMQ_PID_FILE`), while the node runs.
@@ -438,7 +492,7 @@ impl RabbitMq {
     }
 
     /// Starts the node again after [`RabbitMq::kill`] (same name, ports and data), and
-    /// waits until the AMQP port is open.
+    /// waits until the AMQP port (and the stream port, when the node has one) is open.
     pub fn restart(&self) {
         self.spawn_server();
     }
