@@ -935,3 +935,89 @@ async fn the_reconnect_backoff_cap_is_a_setting() {
     streamer.sigterm();
     streamer.wait_exit(scaled(Duration::from_secs(30))).await;
 }
+
+/// Issue 32 item 4: `synchronous_standby_names = '*'` with `synchronous_commit = on` makes
+/// pgoutbox's own walsender a synchronous standby, so every commit in the database waits
+/// until pgoutbox reports it flushed. pgoutbox's own writes must not wait for itself: a
+/// dead letter (here an unroutable message, returned) is written before the slot may pass
+/// the message, so a dead-letter commit that waited for the slot would never return, and
+/// the producers' commits behind it neither. The setting is on before `run` starts (its
+/// startup writes too), `run` warns about it, its walsender is listed as `sync`, and each
+/// producer commit returns once pgoutbox confirmed it; the unroutable one is dead-lettered
+/// and the messages around it arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synchronous_standby_setting_that_picks_pgoutbox_does_not_deadlock_its_own_writes() {
+    let pg = Postgres::start_private(&[("synchronous_commit", "on")]);
+    let rabbit = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(&pg, &rabbit.url(), "syncrep").await;
+    support::declare_bound_queue(&ob.amqp_url, &ob.exchange, &ob.queue, "ok.#").await;
+    pg.psql(
+        "postgres",
+        "ALTER SYSTEM SET synchronous_standby_names = '*'",
+    );
+    pg.psql("postgres", "SELECT pg_reload_conf()");
+    let streamer = ob.run(&[]);
+    let sync = support::wait_until(scaled(Duration::from_secs(60)), || async {
+        pg.psql(
+            "postgres",
+            "SELECT count(*) FROM pg_stat_replication WHERE application_name LIKE 'pgoutbox-%' AND sync_state = 'sync'",
+        )
+        .trim()
+            == "1"
+    })
+    .await;
+    assert!(
+        sync,
+        "pgoutbox's walsender never became the synchronous standby: {}\n{}",
+        pg.psql(
+            "postgres",
+            "SELECT application_name, state, sync_state FROM pg_stat_replication"
+        ),
+        streamer.log()
+    );
+    assert!(
+        streamer
+            .wait_for_log(
+                "synchronous_standby_names can select pgoutbox's walsender",
+                scaled(Duration::from_secs(10))
+            )
+            .await,
+        "no warning about synchronous_standby_names: {}",
+        streamer.log()
+    );
+    let client = Postgres::client_url(&ob.url())
+        .await
+        .expect("producer connects");
+    let mut waited = Vec::new();
+    for (topic, id) in [
+        ("ok.1", "sync-a"),
+        ("nobody.2", "sync-b"),
+        ("ok.3", "sync-c"),
+    ] {
+        let began = Instant::now();
+        let commit = tokio::time::timeout(
+            scaled(Duration::from_secs(60)),
+            client.execute(
+                &format!("SELECT outbox.emit('{topic}', '{{}}', message_id => '{id}')"),
+                &[],
+            ),
+        )
+        .await;
+        let Ok(result) = commit else {
+            panic!(
+                "the commit of {id} ({topic}) did not return in 60 s: pgoutbox waits for itself. Dead letters: {}\nlog:\n{}",
+                ob.sql("SELECT message_id, reason FROM outbox.dead_letter"),
+                streamer.log()
+            );
+        };
+        result.expect("emit");
+        waited.push(format!("{id} {:?}", began.elapsed()));
+    }
+    eprintln!("producer commits (each waits for pgoutbox's flush): {waited:?}");
+    let dead = ob.sql("SELECT message_id || ' ' || reason FROM outbox.dead_letter ORDER BY id");
+    assert_eq!(dead.trim(), "sync-b returned", "{}", streamer.log());
+    let got = ob.drain(2, scaled(Duration::from_secs(10))).await;
+    let ids: Vec<_> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    assert_eq!(ids, ["sync-a", "sync-c"], "{}", streamer.log());
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+}
