@@ -39,7 +39,8 @@ pub struct RabbitMq {
 /// How [`RabbitMq::start_node`] differs from a private node of its own.
 #[derive(Debug, Default, Clone)]
 pub struct NodeOptions {
-    /// Extra `rabbitmq.conf` lines (`{root}` is the node's directory).
+    /// Extra `rabbitmq.conf` lines (`{root}` is the node's directory, `{amqp_port}` the
+    /// port the harness waits on: a TLS-only node puts its `ssl` listener there).
     pub extra_conf: String,
     /// An epmd port shared with other nodes (a cluster); default: a port of its own.
     pub epmd_port: Option<u16>,
@@ -212,7 +213,8 @@ impl RabbitMq {
         }
         let mut extra_conf = options
             .extra_conf
-            .replace("{root}", &r.root.display().to_string());
+            .replace("{root}", &r.root.display().to_string())
+            .replace("{amqp_port}", &r.amqp_port.to_string());
         // A node of its own is its own cluster: named after the node, as RabbitMQ's default
         // would be with the machine's host name, so that `declare-topology` names this node
         // in the command that enables a plugin (it reads cluster_name).

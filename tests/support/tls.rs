@@ -129,6 +129,44 @@ impl TlsRabbit {
         TlsRabbit::of(rabbit, tls_port)
     }
 
+    /// A private node with no plain listener at all: `listeners.tcp = none`, its `ssl`
+    /// listener at [`RabbitMq::port`] (so [`TlsRabbit::tls_port`] is that port, and
+    /// [`RabbitMq::url`] names a TLS port) and no plugin (the stream plugin would open a
+    /// plain port of its own). The same certificates as [`TlsRabbit::shared`]'s kind; the
+    /// tests reach it with `rabbitmqctl`, never over AMQP in plaintext. Stopped on Drop.
+    pub fn start_tls_only() -> TlsRabbit {
+        let (ca_pem, issuer) = ca("pgoutbox test CA");
+        let (other_ca_pem, _) = ca("pgoutbox other CA");
+        let (server_pem, server_key) = leaf("localhost", &["localhost", "127.0.0.1"], &issuer);
+        let (client_pem, client_key) = leaf(CLIENT_CN, &[CLIENT_CN], &issuer);
+        let options = super::rabbit::NodeOptions {
+            extra_conf: "listeners.tcp = none\n\
+                 listeners.ssl.default = 127.0.0.1:{amqp_port}\n\
+                 ssl_options.cacertfile = {root}/ca.pem\n\
+                 ssl_options.certfile = {root}/server.pem\n\
+                 ssl_options.keyfile = {root}/server.key\n\
+                 ssl_options.verify = verify_peer\n\
+                 ssl_options.fail_if_no_peer_cert = false\n"
+                .to_owned(),
+            plugins: Some(Vec::new()),
+            ..Default::default()
+        };
+        let rabbit = RabbitMq::start_node(
+            true,
+            &options,
+            &[
+                ("ca.pem", ca_pem.as_bytes()),
+                ("other-ca.pem", other_ca_pem.as_bytes()),
+                ("server.pem", server_pem.as_bytes()),
+                ("server.key", server_key.as_bytes()),
+                ("client.pem", client_pem.as_bytes()),
+                ("client.key", client_key.as_bytes()),
+            ],
+        );
+        let tls_port = rabbit.port();
+        TlsRabbit::of(rabbit, tls_port)
+    }
+
     /// `amqps://guest:guest@127.0.0.1:TLS_PORT/%2f`, with `query` appended when not empty.
     pub fn amqps_url(&self, query: &str) -> String {
         let base = format!("amqps://guest:guest@127.0.0.1:{}/%2f", self.tls_port);

@@ -381,3 +381,66 @@ async fn the_tls_files_can_be_flags_and_a_conflict_with_the_url_names_both() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Issue 32 item 4: a RabbitMQ node with no plain listener at all (`listeners.tcp = none`,
+/// no plugin opening a port of its own): `run` streams to it over `amqps://` alone, and
+/// `check` passes over it. The test's own queue is declared and bound with `rabbitmqctl
+/// eval` (the harness' consumers speak AMQP in plaintext only), and what arrived is counted
+/// with `rabbitmqctl list_queues`; the slot moves past the last message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_to_a_node_with_no_plain_listener() {
+    let tls = TlsRabbit::start_tls_only();
+    let listeners = tls.rabbit.ctl_ok(&["status"]);
+    let amqp_lines: Vec<&str> = listeners
+        .lines()
+        .filter(|l| l.contains("protocol: amqp"))
+        .collect();
+    assert!(
+        !amqp_lines.is_empty() && amqp_lines.iter().all(|l| l.contains("amqp/ssl")),
+        "the node must listen for AMQP over TLS only: {amqp_lines:?}\n{listeners}"
+    );
+    let url = tls.amqps_url(&tls.cacertfile());
+    let pg = Postgres::shared();
+    let ob = Outbox::new_without_queue(pg, &url, "tls_only").await;
+    let streamer = ob.run_with_amqp_url(&url, &[]);
+    expect_log(&streamer, "streaming").await;
+    let declare = format!(
+        "Q = rabbit_misc:r(<<\"/\">>, queue, <<\"{q}\">>), \
+         X = rabbit_misc:r(<<\"/\">>, exchange, <<\"{x}\">>), \
+         {{new, _}} = rabbit_amqqueue:declare(Q, true, false, [], none, <<\"guest\">>), \
+         ok = rabbit_binding:add({{binding, X, <<\"#\">>, Q, []}}, <<\"guest\">>), ok.",
+        q = ob.queue,
+        x = ob.exchange
+    );
+    tls.rabbit.ctl_ok(&["eval", &declare]);
+    emit(&ob, 20);
+    let last = crate::support::lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
+    let queued = || {
+        tls.rabbit
+            .ctl_ok(&["list_queues", "-q", "name", "messages"])
+            .lines()
+            .find_map(|l| {
+                let mut parts = l.split_whitespace();
+                (parts.next() == Some(ob.queue.as_str()))
+                    .then(|| parts.next().and_then(|n| n.parse::<u64>().ok()))
+                    .flatten()
+            })
+            .unwrap_or(0)
+    };
+    let arrived =
+        crate::support::wait_until(scaled(Duration::from_secs(60)), || async { queued() >= 20 })
+            .await;
+    assert!(arrived, "{} of 20 queued:\n{}", queued(), streamer.log());
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        "the slot did not move past the last message:\n{}",
+        streamer.log()
+    );
+    let (code, text) = check(&ob, &url);
+    assert_eq!(code, Some(0), "check over the TLS-only node:\n{text}");
+    eprintln!("TLS-only node: 20 of 20 queued, check passes");
+    streamer.sigterm();
+    let status = streamer.wait_exit(scaled(Duration::from_secs(30))).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", streamer.log());
+    assert_eq!(queued(), 20, "{}", streamer.log());
+}
