@@ -283,3 +283,32 @@ async fn harness_stream_plugin_and_rstream() {
     }
     assert_eq!(again, got, "deduplicated: the stream still holds the three");
 }
+
+/// The shared TLS node's stream listener: rstream publishes and reads over
+/// `rabbitmq-stream+tls://`, verifying the broker's certificate against the test CA (Metadata
+/// answers name the TLS port on a TLS connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_stream_over_tls() {
+    let tls = support::TlsRabbit::shared();
+    let stream = support::unique("smoke_tls_stream");
+    support::declare_stream(&tls.rabbit.url(), &stream, &[]).await;
+    let url = tls.stream_tls_url(&tls.cacertfile());
+    assert!(
+        url.starts_with("rabbitmq-stream+tls://guest:guest@127.0.0.1:"),
+        "{url}"
+    );
+    let got = tokio::task::spawn_blocking(move || {
+        let message = support::StreamPublish {
+            body: b"over tls".to_vec(),
+            message_id: Some("tls-1".into()),
+            ..Default::default()
+        };
+        support::publish_stream(&url, &stream, None, &[message]);
+        support::read_stream_url(&url, &stream, 1, support::scaled(Duration::from_secs(60)))
+    })
+    .await
+    .unwrap();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].message_id.as_deref(), Some("tls-1"));
+    assert_eq!(got[0].body, b"over tls");
+}

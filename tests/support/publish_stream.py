@@ -2,7 +2,8 @@
 
     python publish_stream.py URL STREAM [PRODUCER_NAME] < messages.jsonl
 
-URL is rabbitmq-stream://USER:PASS@HOST:PORT/VHOST (VHOST percent-encoded, %2f for /). The
+URL is rabbitmq-stream://USER:PASS@HOST:PORT/VHOST (VHOST percent-encoded, %2f for /), or
+rabbitmq-stream+tls://...?cacertfile=PEM (stream_url.py). The
 stream must exist. Each line of standard input is one message, as JSON:
 
     {"body": base64, "message_id": str, "subject": str, "content_type": str,
@@ -23,9 +24,10 @@ import asyncio
 import base64
 import json
 import sys
-from urllib.parse import unquote, urlsplit
 
 from rstream import AMQPMessage, Producer, Properties
+
+from stream_url import connection_args
 
 
 def message(spec):
@@ -48,16 +50,8 @@ def message(spec):
 
 
 async def publish(url, stream, name, specs):
-    parts = urlsplit(url)
-    if parts.scheme != "rabbitmq-stream":
-        raise SystemExit(f"publish_stream.py: not a rabbitmq-stream:// URL: {url}")
-    vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
     async with Producer(
-        host=parts.hostname,
-        port=parts.port or 5552,
-        vhost=vhost,
-        username=unquote(parts.username or "guest"),
-        password=unquote(parts.password or "guest"),
+        **connection_args(url),
         connection_name="pgoutbox-tests-publish-stream",
     ) as producer:
         for spec in specs:

@@ -2,7 +2,8 @@
 
     python read_stream.py URL STREAM EXPECT IDLE_SECONDS
 
-URL is rabbitmq-stream://USER:PASS@HOST:PORT/VHOST (VHOST percent-encoded, %2f for /).
+URL is rabbitmq-stream://USER:PASS@HOST:PORT/VHOST (VHOST percent-encoded, %2f for /), or
+rabbitmq-stream+tls://...?cacertfile=PEM (stream_url.py).
 Subscribes to STREAM from its first offset and reads until it has EXPECT messages or no
 message came for IDLE_SECONDS (since the subscription, then since the last message). Every
 message delivered before it stops is printed, even past EXPECT (a duplicate must show): one
@@ -28,9 +29,10 @@ import json
 import sys
 import time
 import uuid
-from urllib.parse import unquote, urlsplit
 
 from rstream import Consumer, ConsumerOffsetSpecification, OffsetType, amqp_decoder
+
+from stream_url import connection_args
 
 PROPERTY_NAMES = (
     "message_id",
@@ -93,10 +95,6 @@ def message_json(raw, offset, chunk_timestamp):
 
 
 async def read(url, stream, expect, idle):
-    parts = urlsplit(url)
-    if parts.scheme != "rabbitmq-stream":
-        raise SystemExit(f"read_stream.py: not a rabbitmq-stream:// URL: {url}")
-    vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
     lines = []
     last = time.monotonic()
     done = asyncio.Event()
@@ -109,11 +107,7 @@ async def read(url, stream, expect, idle):
             done.set()
 
     consumer = Consumer(
-        host=parts.hostname,
-        port=parts.port or 5552,
-        vhost=vhost,
-        username=unquote(parts.username or "guest"),
-        password=unquote(parts.password or "guest"),
+        **connection_args(url),
         connection_name="pgoutbox-tests-read-stream",
     )
     await consumer.start()

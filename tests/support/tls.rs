@@ -3,7 +3,8 @@
 //!
 //! One node per test process ([`TlsRabbit::shared`]): a plain listener (for the tests'
 //! own consumers, and to test `amqps://` against a plaintext port) and an `ssl` listener
-//! whose certificate a test CA signed for `localhost` and `127.0.0.1`. Client certificates
+//! whose certificate a test CA signed for `localhost` and `127.0.0.1`, for AMQP and for the
+//! stream protocol ([`TlsRabbit::stream_tls_url`]). Client certificates
 //! are asked for and verified, but not required (`fail_if_no_peer_cert = false`), so the
 //! same node serves clients with and without one.
 
@@ -24,6 +25,8 @@ pub struct TlsRabbit {
     pub rabbit: RabbitMq,
     /// The TLS listener's port on 127.0.0.1.
     pub tls_port: u16,
+    /// The stream protocol's TLS listener's port on 127.0.0.1 (also its advertised TLS port).
+    pub stream_tls_port: u16,
     /// The CA that signed the broker's and the client's certificates (PEM).
     pub ca: PathBuf,
     /// Another CA, which signed nothing the broker presents (PEM).
@@ -71,20 +74,32 @@ impl TlsRabbit {
             super::run_shared(
                 "rabbitmq-tls",
                 TlsRabbit::start,
-                |t| format!("{}tls_port={}\n", t.rabbit.describe(), t.tls_port),
+                |t| {
+                    format!(
+                        "{}tls_port={}\nstream_tls_port={}\n",
+                        t.rabbit.describe(),
+                        t.tls_port,
+                        t.stream_tls_port
+                    )
+                },
                 |text| {
-                    let tls_port = super::described(text, "tls_port").parse().expect("port");
-                    TlsRabbit::of(RabbitMq::attach(text), tls_port)
+                    let port = |key: &str| super::described(text, key).parse().expect(key);
+                    TlsRabbit::of(
+                        RabbitMq::attach(text),
+                        port("tls_port"),
+                        port("stream_tls_port"),
+                    )
                 },
             )
         })
     }
 
     /// The node's certificate files, under its directory.
-    fn of(rabbit: RabbitMq, tls_port: u16) -> TlsRabbit {
+    fn of(rabbit: RabbitMq, tls_port: u16, stream_tls_port: u16) -> TlsRabbit {
         let root = rabbit.root_dir().to_path_buf();
         TlsRabbit {
             tls_port,
+            stream_tls_port,
             ca: root.join("ca.pem"),
             other_ca: root.join("other-ca.pem"),
             client_cert: root.join("client.pem"),
@@ -99,8 +114,12 @@ impl TlsRabbit {
         let (server_pem, server_key) = leaf("localhost", &["localhost", "127.0.0.1"], &issuer);
         let (client_pem, client_key) = leaf(CLIENT_CN, &[CLIENT_CN], &issuer);
         let tls_port = free_port();
+        let stream_tls_port = super::free_port_outside_ephemeral_range();
         let conf = format!(
             "listeners.ssl.default = 127.0.0.1:{tls_port}\n\
+             stream.listeners.ssl.1 = 127.0.0.1:{stream_tls_port}\n\
+             stream.advertised_tls_host = 127.0.0.1\n\
+             stream.advertised_tls_port = {stream_tls_port}\n\
              ssl_options.cacertfile = {{root}}/ca.pem\n\
              ssl_options.certfile = {{root}}/server.pem\n\
              ssl_options.keyfile = {{root}}/server.key\n\
@@ -119,14 +138,14 @@ impl TlsRabbit {
             ],
         );
         let up = wait_until_blocking(scaled(std::time::Duration::from_secs(30)), || {
-            port_open(tls_port)
+            port_open(tls_port) && port_open(stream_tls_port)
         });
         assert!(
             up,
-            "the TLS listener on {tls_port} did not open:\n{}",
+            "the TLS listeners on {tls_port} and {stream_tls_port} (stream) did not open:\n{}",
             rabbit.log_contents()
         );
-        TlsRabbit::of(rabbit, tls_port)
+        TlsRabbit::of(rabbit, tls_port, stream_tls_port)
     }
 
     /// A private node with no plain listener at all: `listeners.tcp = none`, its `ssl`
@@ -170,6 +189,21 @@ impl TlsRabbit {
     /// `amqps://guest:guest@127.0.0.1:TLS_PORT/%2f`, with `query` appended when not empty.
     pub fn amqps_url(&self, query: &str) -> String {
         let base = format!("amqps://guest:guest@127.0.0.1:{}/%2f", self.tls_port);
+        if query.is_empty() {
+            base
+        } else {
+            format!("{base}?{query}")
+        }
+    }
+
+    /// `rabbitmq-stream+tls://guest:guest@127.0.0.1:STREAM_TLS_PORT/%2f`, with `query`
+    /// appended when not empty (`support::read_stream_url` takes [`TlsRabbit::cacertfile`]
+    /// there).
+    pub fn stream_tls_url(&self, query: &str) -> String {
+        let base = format!(
+            "rabbitmq-stream+tls://guest:guest@127.0.0.1:{}/%2f",
+            self.stream_tls_port
+        );
         if query.is_empty() {
             base
         } else {
