@@ -25,8 +25,9 @@ pub struct TlsRabbit {
     pub rabbit: RabbitMq,
     /// The TLS listener's port on 127.0.0.1.
     pub tls_port: u16,
-    /// The stream protocol's TLS listener's port on 127.0.0.1 (also its advertised TLS port).
-    pub stream_tls_port: u16,
+    /// The stream protocol's TLS listener's port on 127.0.0.1 (also its advertised TLS port);
+    /// `None` on a node without the stream plugin ([`TlsRabbit::start_tls_only`]).
+    pub stream_tls_port: Option<u16>,
     /// The CA that signed the broker's and the client's certificates (PEM).
     pub ca: PathBuf,
     /// Another CA, which signed nothing the broker presents (PEM).
@@ -79,7 +80,7 @@ impl TlsRabbit {
                         "{}tls_port={}\nstream_tls_port={}\n",
                         t.rabbit.describe(),
                         t.tls_port,
-                        t.stream_tls_port
+                        t.stream_tls_port.unwrap_or(0)
                     )
                 },
                 |text| {
@@ -87,7 +88,7 @@ impl TlsRabbit {
                     TlsRabbit::of(
                         RabbitMq::attach(text),
                         port("tls_port"),
-                        port("stream_tls_port"),
+                        Some(port("stream_tls_port")).filter(|p| *p != 0),
                     )
                 },
             )
@@ -95,7 +96,7 @@ impl TlsRabbit {
     }
 
     /// The node's certificate files, under its directory.
-    fn of(rabbit: RabbitMq, tls_port: u16, stream_tls_port: u16) -> TlsRabbit {
+    fn of(rabbit: RabbitMq, tls_port: u16, stream_tls_port: Option<u16>) -> TlsRabbit {
         let root = rabbit.root_dir().to_path_buf();
         TlsRabbit {
             tls_port,
@@ -145,7 +146,7 @@ impl TlsRabbit {
             "the TLS listeners on {tls_port} and {stream_tls_port} (stream) did not open:\n{}",
             rabbit.log_contents()
         );
-        TlsRabbit::of(rabbit, tls_port, stream_tls_port)
+        TlsRabbit::of(rabbit, tls_port, Some(stream_tls_port))
     }
 
     /// A private node with no plain listener at all: `listeners.tcp = none`, its `ssl`
@@ -183,7 +184,7 @@ impl TlsRabbit {
             ],
         );
         let tls_port = rabbit.port();
-        TlsRabbit::of(rabbit, tls_port)
+        TlsRabbit::of(rabbit, tls_port, None)
     }
 
     /// `amqps://guest:guest@127.0.0.1:TLS_PORT/%2f`, with `query` appended when not empty.
@@ -200,10 +201,10 @@ impl TlsRabbit {
     /// appended when not empty (`support::read_stream_url` takes [`TlsRabbit::cacertfile`]
     /// there).
     pub fn stream_tls_url(&self, query: &str) -> String {
-        let base = format!(
-            "rabbitmq-stream+tls://guest:guest@127.0.0.1:{}/%2f",
-            self.stream_tls_port
-        );
+        let port = self
+            .stream_tls_port
+            .expect("this TLS node has no stream plugin (start_tls_only)");
+        let base = format!("rabbitmq-stream+tls://guest:guest@127.0.0.1:{port}/%2f");
         if query.is_empty() {
             base
         } else {
