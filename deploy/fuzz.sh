@@ -13,7 +13,8 @@
 # target), not a fixed time: CI runs it beside the tests at the lowest CPU priority, where a
 # time limit would test fewer inputs the busier the machine is.
 #
-# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup, amqp_frames. Each is
+# Targets (fuzz/fuzz_targets/): pgoutput, copy_data, envelope, startup, amqp_frames,
+# stream_frames. Each is
 # a libFuzzer binary (libfuzzer-sys), an example of this package behind the `fuzz` feature
 # (`fuzz_<target>`), built by cargo in the test build's profile and target directory with the
 # coverage instrumentation cargo-fuzz would add, on the stable toolchain. The instrumentation
@@ -28,12 +29,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_TARGETS=(pgoutput copy_data envelope startup amqp_frames)
+ALL_TARGETS=(pgoutput copy_data envelope startup amqp_frames stream_frames)
 # Inputs per target in --smoke: four times what about 30 s of each took under cargo-fuzz's
 # AddressSanitizer build (2026-12-03); without the sanitizer the instrumented targets run
 # 15 to 40 times faster (pgoutput 750,000 inputs a second on a quiet machine, 2026-12-06), so
 # the whole smoke is about a minute of CPU.
-declare -A SMOKE_RUNS=([pgoutput]=6000000 [copy_data]=480000 [envelope]=1920000 [startup]=2800000 [amqp_frames]=1520000)
+declare -A SMOKE_RUNS=([pgoutput]=6000000 [copy_data]=480000 [envelope]=1920000 [startup]=2800000 [amqp_frames]=1520000 [stream_frames]=1520000)
 seconds=600
 runs=
 build=yes

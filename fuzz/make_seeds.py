@@ -142,3 +142,29 @@ su = {
 }
 for k, v in su.items():
     write("startup", k, v)
+
+# stream_frames: frames of the RabbitMQ stream protocol as the broker sends them
+def sframe(key, body):
+    return struct.pack(">IHH", len(body) + 4, key, 1) + body
+
+
+def sstr(s):
+    return struct.pack(">h", len(s)) + s
+
+
+sf = {
+    "confirm": sframe(0x0003, b"\0" + struct.pack(">i", 2) + struct.pack(">QQ", 65536, 65537)),
+    "error": sframe(0x0004, b"\0" + struct.pack(">i", 1) + struct.pack(">QH", 65536, 0x10)),
+    "metadata_update": sframe(0x0010, struct.pack(">H", 6) + sstr(b"s1")),
+    "tune": sframe(0x0014, struct.pack(">II", 1048576, 60)),
+    "close": sframe(0x0016, struct.pack(">IH", 1, 1) + sstr(b"bye")),
+    "heartbeat": sframe(0x0017, b""),
+    "sequence": sframe(0x8005, struct.pack(">IHQ", 8, 1, 184890884096)),
+    "mechanisms": sframe(0x8012, struct.pack(">IHi", 2, 1, 2) + sstr(b"PLAIN") + sstr(b"AMQPLAIN")),
+    "open": sframe(0x8015, struct.pack(">IHi", 4, 1, 1) + sstr(b"advertised_host") + sstr(b"h")),
+    "metadata": sframe(0x800f, struct.pack(">Ii", 6, 1) + struct.pack(">H", 0) + sstr(b"127.0.0.1")
+                       + struct.pack(">I", 5552) + struct.pack(">i", 1) + sstr(b"s1")
+                       + struct.pack(">HHi", 1, 0, 0)),
+}
+for k, v in sf.items():
+    write("stream_frames", k, v)

@@ -455,11 +455,12 @@ fn passwords_on_argv(matches: &ArgMatches) -> Vec<&'static str> {
             .get_many::<crate::secrets::Secret>(id)
             .is_some_and(|mut v| v.any(|u| crate::secrets::has_password(&u.0)))
     };
-    ["database_url", "amqp_url"]
+    ["database_url", "amqp_url", "stream_url"]
         .into_iter()
         .filter(|id| on_argv(id) && with_password(id))
         .map(|id| match id {
             "database_url" => "--database-url",
+            "stream_url" => "--stream-url",
             _ => "--amqp-url",
         })
         .collect()
@@ -476,7 +477,12 @@ fn check_required(args: &RunArgs) -> Result<(), ConfigFileError> {
         });
     }
     let broker = &args.broker;
-    if broker.amqp_url.iter().all(|u| u.0.trim().is_empty()) && broker.amqp_url_file.is_none() {
+    // `--stream-url` replaces `--amqp-url` (RunArgs::into_config names what is missing).
+    let streams = !broker.stream_url.is_empty() || broker.stream.is_some();
+    if !streams
+        && broker.amqp_url.iter().all(|u| u.0.trim().is_empty())
+        && broker.amqp_url_file.is_none()
+    {
         return Err(ConfigFileError::Missing {
             flag: "--amqp-url",
             env: "PGOUTBOX_AMQP_URL",

@@ -91,6 +91,9 @@ pub mod dead_letter_reason {
     /// no exchange it named): found when it was the only unconfirmed publish, or by
     /// publishing one at a time after such a close.
     pub const PUBLISH_REFUSED: &str = "publish_refused";
+    /// RabbitMQ answered a publish into a stream with a `PublishError` whose code is
+    /// definite for the message (`run --stream`; docs/src/internals/stream-ids.md).
+    pub const STREAM_REFUSED: &str = "stream_refused";
 
     /// Every reason, with one line on what happened, in the order the reference lists them.
     pub const ALL: &[(&str, &str)] = &[
@@ -104,6 +107,7 @@ pub mod dead_letter_reason {
         (EXCHANGE_NOT_FOUND, "the exchange the producer named does not exist (404 to the passive declare of `--no-declare`)"),
         (EXCHANGE_REFUSED, "RabbitMQ refused to declare the exchange the producer named (406 PRECONDITION_FAILED or 403 ACCESS_REFUSED), or closed the channel over a publish to it (403 ACCESS_REFUSED: the streamer's user may not write it); later messages to it are dead-lettered without publishing"),
         (PUBLISH_REFUSED, "RabbitMQ closed the channel over this one publish, for a reason that names no exchange of the producer's (found when it was the only unconfirmed publish, or by publishing one at a time after such a close)"),
+        (STREAM_REFUSED, "RabbitMQ answered the publish into the stream (`--stream`) with a publish error that is definite for the message (access refused, precondition failed, ...); the code is in the error. A publish error is never retried with its publishing id: the broker would confirm it without storing it"),
     ];
 }
 

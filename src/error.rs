@@ -14,6 +14,9 @@ pub enum Error {
     /// The RabbitMQ side failed.
     #[error(transparent)]
     Publisher(#[from] crate::publisher::Error),
+    /// The RabbitMQ stream side failed (`run --stream`).
+    #[error(transparent)]
+    StreamPublisher(#[from] crate::stream_publisher::Error),
     /// The sink broke its settling protocol ([`crate::sink::SinkError::Violated`]:
     /// definite) or failed in another way no message settles.
     #[error(transparent)]
@@ -215,6 +218,7 @@ impl Error {
             // The broker broke the publisher-confirm protocol: stop rather than trust it.
             Error::Publisher(crate::publisher::Error::Protocol(_)) => false,
             Error::Sink(crate::sink::SinkError::Violated(_)) => false,
+            Error::StreamPublisher(e) => e.is_retryable(),
             // A plugin that is off, a refusal (403): the same declaration fails again.
             Error::Topology(
                 crate::topology::Error::PluginOff { .. } | crate::topology::Error::Refused { .. },

@@ -48,6 +48,7 @@ pub mod report;
 pub mod routing;
 pub mod secrets;
 pub mod sink;
+pub mod stream_publisher;
 pub mod stream_state;
 pub mod topology;
 pub mod validation;

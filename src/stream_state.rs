@@ -160,6 +160,16 @@ pub enum GapReason {
         /// The highest timeline seen (the record's, or this process's).
         highest: u32,
     },
+    /// `run --stream`: the broker stored publishing ids of our producer name from commits
+    /// beyond this server's WAL end, so they were made from WAL this server does not have
+    /// (a restore to an earlier point): ids at or below them would be dropped as
+    /// duplicates of other messages (docs/src/internals/stream-ids.md).
+    StreamAhead {
+        /// The stream.
+        stream: String,
+        /// The producer name.
+        producer: String,
+    },
 }
 
 impl GapReason {
@@ -170,6 +180,7 @@ impl GapReason {
             GapReason::SystemChanged { .. } => "system_changed",
             GapReason::PromotedSlotUnproven { .. } => "promoted_slot_unproven",
             GapReason::TimelineBehind { .. } => "timeline_behind",
+            GapReason::StreamAhead { .. } => "stream_ahead_of_wal",
         }
     }
 }
@@ -210,8 +221,17 @@ impl std::fmt::Display for Gap {
                 "this server is on timeline {timeline}, but slot {:?} was already streamed from timeline {highest} of the same cluster: it is an old primary that came back after a failover, and what it committed after the switch point is not in the new primary's history. Point the database URL at the current primary, or rebuild this server as a standby of it (pg_rewind or a new base backup); --accept-gap streams from it anyway",
                 self.slot
             ),
+            GapReason::StreamAhead { stream, producer } => format!(
+                "stream {stream:?} holds messages of producer {producer:?} from commits up to {}, beyond this server's WAL end {}: they were published from WAL this server does not have (a restore to an earlier point, or another server). Their publishing ids would make the broker drop new messages as duplicates. --accept-gap starts a new producer name (the old one's messages stay in the stream)",
+                self.to, self.from
+            ),
         };
         match &self.reason {
+            GapReason::StreamAhead { .. } => write!(
+                f,
+                "{why}: outbox messages committed from {} on would be lost",
+                self.from
+            ),
             // Nothing is missing there: what the old primary committed after the switch
             // point would be published although the current primary never had it.
             GapReason::TimelineBehind { .. } => write!(
@@ -499,6 +519,21 @@ pub async fn ensure_table(client: &Client, schema: &SchemaName) -> Result<(), Er
     }
 }
 
+/// How many gaps `--accept-gap` accepted for `slot` (0 without a record): `run --stream`
+/// appends it to its default producer name.
+///
+/// # Errors
+/// [`Error::Sql`].
+pub async fn accepted_gap_count(
+    client: &Client,
+    schema: &SchemaName,
+    slot: &str,
+) -> Result<usize, Error> {
+    Ok(load(client, schema, slot)
+        .await?
+        .map_or(0, |r| r.accepted_gaps.len()))
+}
+
 /// Reads the record of `slot` (`None`: no row, or no table).
 ///
 /// # Errors
@@ -700,6 +735,11 @@ pub enum StartFrom {
 /// process resumes its own history: only when it does not is a slot behind the record
 /// reported as messages sent again (a warning).
 ///
+/// `stream_stored` (`run --stream`): the commit LSN of the highest publishing id the broker
+/// stored for the producer name, and the name; a commit beyond the server's WAL end is a gap
+/// ([`GapReason::StreamAhead`]). The answer's `bool` is true when a gap was accepted
+/// (`--accept-gap`) just now.
+///
 /// # Errors
 /// [`Error::Gap`] when the slot's history has a gap and `config.postgres.accept_gap` is off;
 /// [`Error::Sql`].
@@ -710,7 +750,8 @@ pub async fn session_start(
     at: &SlotAt,
     start: Lsn,
     from: StartFrom,
-) -> Result<(FlushGate, RecordedHandle), Error> {
+    stream_stored: Option<(Lsn, &str)>,
+) -> Result<(FlushGate, RecordedHandle, bool), Error> {
     let slot = config.postgres.slot.as_str();
     let schema = &config.postgres.schema;
     // Like the dead letters: never wait for a synchronous standby that may be us.
@@ -720,7 +761,21 @@ pub async fn session_start(
         .map_err(|e| Error::sql("setting synchronous_commit for outbox.stream_state", e))?;
     let record = load(&client, schema, slot).await?;
     let mut accepted = None;
-    match assess(slot, at, server, record.as_ref()) {
+    let mut verdict = assess(slot, at, server, record.as_ref());
+    if let (Some((stored, producer)), Some(stream)) = (stream_stored, &config.broker.stream) {
+        if stored > server.identity.xlogpos && !matches!(verdict, Verdict::Gap(_)) {
+            verdict = Verdict::Gap(Gap {
+                slot: slot.to_owned(),
+                from: server.identity.xlogpos,
+                to: stored,
+                reason: GapReason::StreamAhead {
+                    stream: stream.stream.clone(),
+                    producer: producer.to_owned(),
+                },
+            });
+        }
+    }
+    match verdict {
         Verdict::Continuous => {}
         Verdict::SlotBehind { slot: at, recorded } if start < recorded => match from {
             StartFrom::OwnResume(resume) => tracing::debug!(
@@ -776,7 +831,9 @@ pub async fn session_start(
         accepted.as_ref(),
     )
     .await?;
-    Ok(recorder(client, schema.clone(), slot.to_owned(), start))
+    let accepted_gap = accepted.is_some();
+    let (gate, recorded) = recorder(client, schema.clone(), slot.to_owned(), start);
+    Ok((gate, recorded, accepted_gap))
 }
 
 /// Whether `slot` is a synchronized failover slot (`failover` and `synced` true in

@@ -22,7 +22,7 @@ use crate::config::numeric::{
     BROKER_MAX_MESSAGE_BYTES, IDEMPOTENCY_RETENTION, JOURNAL_RETENTION, MAINTENANCE_INTERVAL,
     MAX_ATTEMPTS, MAX_IN_FLIGHT, MAX_IN_FLIGHT_BYTES, MAX_MESSAGE_BYTES, PARTITIONS,
     POSTGRES_LOSS_DRAIN_MS, READ_COALESCE_US, RECONNECT_BACKOFF_MAX_MS, SHUTDOWN_TIMEOUT_S,
-    SLOT_BUSY_TIMEOUT_S, STALL_AFTER_S, STANDBY_POLL_MS,
+    SLOT_BUSY_TIMEOUT_S, STALL_AFTER_S, STANDBY_POLL_MS, STREAM_MAX_LENGTH_BYTES,
 };
 use crate::config::{
     AllowedExchanges, AmqpUrlOrder, BrokerSettings, ExchangeDeclare, JournalMode,
@@ -167,6 +167,27 @@ pub struct BrokerArgs {
     /// The partition is FNV-1a 64 of the key's UTF-8 bytes modulo --partitions.
     #[arg(long, env = "PGOUTBOX_PARTITION_KEY", value_enum, default_value_t = PartitionKeyArg::AggregateId)]
     pub partition_key: PartitionKeyArg,
+    /// RabbitMQ stream-protocol URL: rabbitmq-stream://user:password@host:5552/vhost, or
+    /// rabbitmq-stream+tls:// (port 5551; the TLS parameters of --amqp-url). With --stream,
+    /// every outbox message goes into that stream instead of an exchange, deduplicated by
+    /// the broker (effectively once: docs/src/internals/stream-ids.md). Repeat it for a
+    /// cluster's nodes. Instead of --amqp-url.
+    #[arg(long, env = "PGOUTBOX_STREAM_URL", hide_env_values = true, action = clap::ArgAction::Append)]
+    pub stream_url: Vec<Secret>,
+    /// The stream to publish into (with --stream-url); created when missing unless
+    /// --no-declare.
+    #[arg(long, env = "PGOUTBOX_STREAM")]
+    pub stream: Option<String>,
+    /// The producer name the broker deduplicates by (default: pgoutbox-SLOT, with -gN
+    /// after the N-th accepted gap). Change it only while nothing is in flight.
+    #[arg(long, env = "PGOUTBOX_STREAM_PRODUCER_NAME")]
+    pub stream_producer_name: Option<String>,
+    /// The stream's maximum age when run creates it (RabbitMQ's x-max-age: 7D, 12h, ...).
+    #[arg(long, env = "PGOUTBOX_STREAM_MAX_AGE")]
+    pub stream_max_age: Option<String>,
+    /// `--stream-max-length-bytes`: doc, range and default in [`crate::config::numeric::STREAM_MAX_LENGTH_BYTES`].
+    #[arg(long, env = "PGOUTBOX_STREAM_MAX_LENGTH_BYTES", help = STREAM_MAX_LENGTH_BYTES.help(), value_parser = STREAM_MAX_LENGTH_BYTES.whole_number::<u64>())]
+    pub stream_max_length_bytes: Option<u64>,
 }
 
 /// `run`'s bounds: the window, the largest message, attempts, read coalescing, drain times.
@@ -343,6 +364,11 @@ impl RunArgs {
             failpoint,
         };
         settings.validate(&|url| {
+            if url.starts_with("rabbitmq-stream") {
+                return crate::stream_publisher::endpoint(url)
+                    .map(drop)
+                    .map_err(|e| e.to_string());
+            }
             crate::publisher::socket::Endpoint::parse(url)
                 .map(drop)
                 .map_err(|e| e.to_string())
@@ -380,6 +406,9 @@ impl PostgresArgs {
 
 impl BrokerArgs {
     fn into_settings(self) -> Result<BrokerSettings, ValidationError> {
+        if !self.stream_url.is_empty() || self.stream.is_some() {
+            return self.into_stream_settings();
+        }
         // One URL, a comma-separated list, or the flag repeated (one per node), or a file
         // holding any of these; the password file and the TLS files apply to every node.
         let raw: Vec<String> = if self.amqp_url.is_empty() || self.amqp_url_file.is_some() {
@@ -440,6 +469,69 @@ impl BrokerArgs {
                     PartitionKeyArg::Topic => PartitionKey::Topic,
                 },
             },
+            stream: None,
+            // Used only with --stream; kept so that its range is checked either way.
+            stream_max_length_bytes: self.stream_max_length_bytes,
+        })
+    }
+}
+
+impl BrokerArgs {
+    /// `--stream-url` with `--stream`: the stream replaces the exchange for this run.
+    fn into_stream_settings(self) -> Result<BrokerSettings, ValidationError> {
+        let conflict = |setting: &'static str, given: &str| {
+            ValidationError {
+            setting,
+            value: given.to_owned(),
+            rule: "--stream-url/--stream replace --amqp-url/--exchange for a run: give one or the other".into(),
+        }
+        };
+        if !self.amqp_url.is_empty() || self.amqp_url_file.is_some() {
+            return Err(conflict("--amqp-url", "(given with --stream-url)"));
+        }
+        if self.stream_url.is_empty() {
+            return Err(ValidationError {
+                setting: "--stream-url",
+                value: String::new(),
+                rule: "--stream needs --stream-url rabbitmq-stream://user:password@host:5552/vhost"
+                    .into(),
+            });
+        }
+        let Some(stream) = self.stream else {
+            return Err(ValidationError {
+                setting: "--stream",
+                value: String::new(),
+                rule: "--stream-url needs --stream NAME, the stream to publish into".into(),
+            });
+        };
+        if self.partitions > 1 {
+            return Err(ValidationError {
+                setting: "--partitions",
+                value: self.partitions.to_string(),
+                rule: "a stream is written by one producer (one connection, one publishing-id sequence): leave --partitions at 1 with --stream".into(),
+            });
+        }
+        let raw: Vec<String> = self.stream_url.iter().map(|u| u.0.clone()).collect();
+        Ok(BrokerSettings {
+            amqp_urls: crate::config::split_stream_urls(&raw),
+            amqp_url_order: match self.amqp_url_order {
+                AmqpUrlOrderArg::InOrder => AmqpUrlOrder::InOrder,
+                AmqpUrlOrderArg::Shuffle => AmqpUrlOrder::Shuffle,
+            },
+            exchange: self.exchange,
+            allowed_exchanges: AllowedExchanges::Any,
+            exchange_declare: if self.no_declare {
+                ExchangeDeclare::Passive
+            } else {
+                ExchangeDeclare::DurableTopic
+            },
+            partitions: Partitions::default(),
+            stream: Some(crate::config::StreamSettings {
+                stream,
+                producer_name: self.stream_producer_name,
+                max_age: self.stream_max_age,
+            }),
+            stream_max_length_bytes: self.stream_max_length_bytes,
         })
     }
 }

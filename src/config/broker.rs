@@ -38,6 +38,79 @@ pub struct BrokerSettings {
     /// How many connections publish, and what keys a message's (`--partitions`,
     /// `--partition-key`).
     pub partitions: Partitions,
+    /// `--stream`: publish into this RabbitMQ stream over the stream protocol instead of
+    /// the exchange; `amqp_urls` then holds the `--stream-url` nodes.
+    pub stream: Option<StreamSettings>,
+    /// `--stream-max-length-bytes`: the stream's size limit when `run` creates it.
+    pub stream_max_length_bytes: Option<u64>,
+}
+
+/// `run --stream-url URL --stream NAME`: every outbox message goes to the stream NAME over
+/// RabbitMQ's stream protocol, deduplicated by publishing ids derived from the WAL
+/// (docs/src/internals/stream-ids.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamSettings {
+    /// The stream (`--stream`).
+    pub stream: String,
+    /// The producer name (`--stream-producer-name`); `None`: derived from the slot.
+    pub producer_name: Option<String>,
+    /// `--stream-max-age` when `run` creates the stream (`7D`, `12h`, ...: RabbitMQ's
+    /// `x-max-age` units Y, M, D, h, m, s).
+    pub max_age: Option<String>,
+}
+
+impl StreamSettings {
+    /// The stream's creation arguments (stream protocol `Create`), with
+    /// `--stream-max-length-bytes` (`max_length_bytes`, checked by
+    /// [`super::numeric::STREAM_MAX_LENGTH_BYTES`]).
+    pub fn arguments(&self, max_length_bytes: Option<u64>) -> Vec<(&'static str, String)> {
+        let mut args = Vec::new();
+        if let Some(age) = &self.max_age {
+            args.push(("max-age", age.clone()));
+        }
+        if let Some(bytes) = max_length_bytes {
+            args.push(("max-length-bytes", bytes.to_string()));
+        }
+        args
+    }
+
+    /// Checks the names and the creation arguments.
+    ///
+    /// # Errors
+    /// [`ValidationError`] naming the setting, the value and the rule.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.stream.is_empty() || self.stream.len() > 255 {
+            return Err(ValidationError {
+                setting: "--stream",
+                value: self.stream.clone(),
+                rule: "use 1 to 255 bytes (a RabbitMQ queue name)".into(),
+            });
+        }
+        if let Some(name) = &self.producer_name {
+            if name.is_empty() || name.len() > 256 {
+                return Err(ValidationError {
+                    setting: "--stream-producer-name",
+                    value: name.clone(),
+                    rule: "use 1 to 256 bytes (the stream protocol's publisher reference)".into(),
+                });
+            }
+        }
+        if let Some(age) = &self.max_age {
+            let (digits, unit) = age.split_at(age.len().saturating_sub(1));
+            let ok = !digits.is_empty()
+                && digits.bytes().all(|b| b.is_ascii_digit())
+                && digits.len() <= 9
+                && matches!(unit, "Y" | "M" | "D" | "h" | "m" | "s");
+            if !ok {
+                return Err(ValidationError {
+                    setting: "--stream-max-age",
+                    value: age.clone(),
+                    rule: "a whole number and one unit of Y, M, D, h, m, s (RabbitMQ's x-max-age), e.g. 7D or 12h".into(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `run --partitions N --partition-key K`: N AMQP connections, each message to the
@@ -89,6 +162,10 @@ impl BrokerSettings {
     /// [`ValidationError`] for `--amqp-url` ([`validate_amqp_urls`]) or `--exchange` (1 to
     /// 255 bytes).
     pub fn validate(&self, url_check: UrlCheck<'_>) -> Result<(), ValidationError> {
+        if let Some(stream) = &self.stream {
+            stream.validate()?;
+            return validate_urls(&self.amqp_urls, url_check, &STREAM_URLS);
+        }
         validate_amqp_urls(&self.amqp_urls, url_check)?;
         if self.exchange.is_empty() || self.exchange.len() > 255 {
             return Err(ValidationError {
@@ -159,6 +236,30 @@ fn push_url(out: &mut Vec<String>, piece: &str) {
     }
 }
 
+/// Splits `--stream-url` values into one URL per node, as [`split_amqp_urls`] does (a
+/// comma splits only where `rabbitmq-stream://` or `rabbitmq-stream+tls://` follows it).
+pub fn split_stream_urls<S: AsRef<str>>(values: &[S]) -> Vec<String> {
+    let mut out = Vec::new();
+    for v in values {
+        let v = v.as_ref();
+        let mut start = 0;
+        let mut i = 0;
+        while let Some(at) = v[i..].find(',') {
+            let comma = i + at;
+            let after = v[comma + 1..].trim_start();
+            if after.starts_with("rabbitmq-stream://")
+                || after.starts_with("rabbitmq-stream+tls://")
+            {
+                push_url(&mut out, &v[start..comma]);
+                start = comma + 1;
+            }
+            i = comma + 1;
+        }
+        push_url(&mut out, &v[start..]);
+    }
+    out
+}
+
 /// The nodes in the order `run` tries them: `urls` as given for
 /// [`AmqpUrlOrder::InOrder`], shuffled with `seed` for [`AmqpUrlOrder::Shuffle`] (the
 /// caller passes a random seed; a fixed one makes the order reproducible in tests).
@@ -179,11 +280,41 @@ pub fn order_amqp_urls(urls: &[String], order: AmqpUrlOrder, seed: u64) -> Vec<S
 /// [`ValidationError`] for `--amqp-url` naming the (redacted) URL at fault, and which of
 /// several it is.
 pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<(), ValidationError> {
+    validate_urls(urls, url_check, &AMQP_URLS)
+}
+
+/// One kind of broker URL, for [`validate_urls`].
+struct UrlKind {
+    setting: &'static str,
+    schemes: [&'static str; 2],
+    example: &'static str,
+}
+
+const AMQP_URLS: UrlKind = UrlKind {
+    setting: "--amqp-url",
+    schemes: ["amqp://", "amqps://"],
+    example: "amqp://user:password@host:port/vhost",
+};
+
+const STREAM_URLS: UrlKind = UrlKind {
+    setting: "--stream-url",
+    schemes: ["rabbitmq-stream://", "rabbitmq-stream+tls://"],
+    example: "rabbitmq-stream://user:password@host:5552/vhost",
+};
+
+fn validate_urls(
+    urls: &[String],
+    url_check: UrlCheck<'_>,
+    kind: &UrlKind,
+) -> Result<(), ValidationError> {
     if urls.is_empty() {
         return Err(ValidationError {
-            setting: "--amqp-url",
+            setting: kind.setting,
             value: String::new(),
-            rule: "give at least one amqp://user:password@host:port/vhost (repeat --amqp-url, or separate URLs with commas, for the nodes of a cluster)".into(),
+            rule: format!(
+                "give at least one {} (repeat {}, or separate URLs with commas, for the nodes of a cluster)",
+                kind.example, kind.setting
+            ),
         });
     }
     for (i, url) in urls.iter().enumerate() {
@@ -192,16 +323,16 @@ pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<()
         } else {
             String::new()
         };
-        if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+        if !kind.schemes.iter().any(|s| url.starts_with(s)) {
             return Err(ValidationError {
-                setting: "--amqp-url",
+                setting: kind.setting,
                 value: format!("{}{which}", redact_url(url)),
-                rule: "expected amqp://user:password@host:port/vhost".into(),
+                rule: format!("expected {}", kind.example),
             });
         }
         if crate::redaction::at_after_authority(url) {
             return Err(ValidationError {
-                setting: "--amqp-url",
+                setting: kind.setting,
                 value: format!("{}{which}", redact_url(url)),
                 rule: "an '@' after the host (in the vhost or the query): a second URL glued on by a typo? Each URL of a list starts with amqp:// or amqps://; write a literal '@' in a vhost as %40".into(),
             });
@@ -209,7 +340,7 @@ pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<()
         if let Err(rule) = url_check(url) {
             let shown = redact_url(url);
             return Err(ValidationError {
-                setting: "--amqp-url",
+                setting: kind.setting,
                 rule: crate::redaction::only_shown(
                     rule,
                     url,

@@ -42,8 +42,9 @@ pub use bounds::{
     RECONNECT_BACKOFF_MAX_MIN, SHUTDOWN_TIMEOUT_CAP, STATUS_COALESCE,
 };
 pub use broker::{
-    order_amqp_urls, split_amqp_urls, validate_amqp_urls, AllowedExchanges, AmqpUrlOrder,
-    BrokerSettings, ExchangeDeclare, PartitionKey, Partitions, UrlCheck, DEFAULT_EXCHANGE,
+    order_amqp_urls, split_amqp_urls, split_stream_urls, validate_amqp_urls, AllowedExchanges,
+    AmqpUrlOrder, BrokerSettings, ExchangeDeclare, PartitionKey, Partitions, StreamSettings,
+    UrlCheck, DEFAULT_EXCHANGE,
 };
 pub use database::{
     authority_has_two_ats, parse_database_url, split_tls_parameters, ChannelBindingMode,
@@ -189,6 +190,8 @@ mod tests {
                 allowed_exchanges: AllowedExchanges::Any,
                 exchange_declare: ExchangeDeclare::DurableTopic,
                 partitions: Partitions::default(),
+                stream: None,
+                stream_max_length_bytes: None,
             },
             bounds: PipelineBounds::default(),
             observability: ObservabilitySettings {

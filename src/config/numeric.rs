@@ -143,10 +143,20 @@ macro_rules! stored_integer {
         }
     )*};
 }
-stored_integer!(u16, u32, usize);
+stored_integer!(u16, u32, u64, usize);
 
 /// An optional count: `None` is unset (nothing to check).
 impl Stored for Option<usize> {
+    fn read(&self, unit: Unit) -> Option<u128> {
+        self.as_ref().and_then(|n| n.read(unit))
+    }
+    fn write(&mut self, value: u64, unit: Unit) {
+        self.get_or_insert(0).write(value, unit);
+    }
+}
+
+/// An optional byte count: `None` is unset (nothing to check).
+impl Stored for Option<u64> {
     fn read(&self, unit: Unit) -> Option<u128> {
         self.as_ref().and_then(|n| n.read(unit))
     }
@@ -412,6 +422,18 @@ pub static PARTITIONS: NumericSetting = setting(
     |s| &mut s.broker.partitions.count,
 );
 
+/// `--stream-max-length-bytes`.
+pub static STREAM_MAX_LENGTH_BYTES: NumericSetting = setting(
+    "--stream-max-length-bytes",
+    Unit::Count("bytes"),
+    (1, i64::MAX as u64),
+    None,
+    "With --stream: the stream's maximum size in bytes when run creates it (RabbitMQ's \
+     x-max-length-bytes; the oldest segments go first). Unset: no limit",
+    None,
+    |s| &mut s.broker.stream_max_length_bytes,
+);
+
 // Pipeline bounds.
 
 /// `--max-in-flight`.
@@ -549,6 +571,7 @@ pub static NUMERIC_SETTINGS: &[&NumericSetting] = &[
     &IDEMPOTENCY_RETENTION,
     &MAINTENANCE_INTERVAL,
     &PARTITIONS,
+    &STREAM_MAX_LENGTH_BYTES,
     &MAX_IN_FLIGHT,
     &MAX_IN_FLIGHT_BYTES,
     &MAX_MESSAGE_BYTES,

@@ -18,7 +18,7 @@ use std::time::Duration;
 use super::admission::BrokerLimit;
 use super::dead_letter::DeadLetterWriter;
 use super::refusal::Refusals;
-use super::sinks::{BrokerNodes, ConnectedSink, SinkChoice};
+use super::sinks::{stream_producer_name, BrokerNodes, ConnectedSink, SinkChoice};
 use super::standby::Standby;
 use crate::admin;
 use crate::config::RunConfig;
@@ -30,6 +30,7 @@ use crate::outbox_schema::MessagePrefix;
 use crate::replication::connect::{ReplicationConnection, SystemIdentity};
 use crate::replication::session::ReplicationStream;
 use crate::sink::Sink;
+use crate::stream_publisher::ids;
 use crate::stream_state::{self, FlushGate, RecordedHandle, SeenHistory};
 
 /// How long closing the sink and the replication stream may take.
@@ -191,7 +192,14 @@ pub(super) async fn connect(
     warn_if_synchronous_standby(&sql, &application_name).await;
     let lockdown = read_lockdown(&sql, config).await?;
     let dead_letters = DeadLetterWriter::connect(pg, &config.postgres.schema).await?;
-    let ConnectedSink { mut sink, nodes } = sinks.connect(&memory.nodes).await?;
+    let (
+        ConnectedSink {
+            mut sink,
+            mut nodes,
+            stream_stored,
+        },
+        accepted_before,
+    ) = connect_sink(config, &sql, sinks, memory).await?;
     let started = start_stream(
         config,
         pg,
@@ -202,6 +210,94 @@ pub(super) async fn connect(
         &mut *sink,
     )
     .await?;
+    let stream_check = stream_stored
+        .as_ref()
+        .map(|(stored, name)| (ids::commit_lsn_of(*stored), name.as_str()));
+    let (
+        started,
+        Recorded {
+            start,
+            slot_lsn,
+            gate,
+            recorded,
+            gap_accepted,
+        },
+    ) = record_start(config, sql, memory, started, stream_check).await?;
+    if gap_accepted && config.broker.stream.is_some() {
+        // A gap accepted just now starts a new producer name: the new history's ids are
+        // never compared with what the old name stored.
+        let name = stream_producer_name(config, accepted_before + 1);
+        tracing::warn!(producer = %name, "a gap was accepted: the stream publisher starts a new producer name");
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, sink.close()).await;
+        let connected = sinks.connect(&memory.nodes, &name).await?;
+        sink = connected.sink;
+        nodes = connected.nodes;
+    }
+    log_streaming(
+        config,
+        &prefix,
+        &lockdown,
+        start,
+        slot_lsn,
+        started.interval,
+    );
+    Ok(Connected {
+        stream: started.stream,
+        interval: started.interval,
+        sink,
+        nodes,
+        dead_letters,
+        start,
+        lockdown,
+        gate,
+        recorded,
+        identity: started.identity,
+        prefix,
+    })
+}
+
+/// Connects the sink; for `run --stream`, with the producer name of the gaps accepted so far
+/// (their count is the answer's second half).
+async fn connect_sink(
+    config: &RunConfig,
+    sql: &tokio_postgres::Client,
+    sinks: &SinkChoice,
+    memory: &SessionMemory,
+) -> Result<(ConnectedSink, usize), Error> {
+    let accepted = if config.broker.stream.is_some() {
+        stream_state::accepted_gap_count(sql, &config.postgres.schema, &config.postgres.slot)
+            .await?
+    } else {
+        0
+    };
+    let connected = sinks
+        .connect(&memory.nodes, &stream_producer_name(config, accepted))
+        .await?;
+    Ok((connected, accepted))
+}
+
+/// What [`record_start`] found and started.
+struct Recorded {
+    /// Where the session starts.
+    start: Lsn,
+    /// The slot's `confirmed_flush_lsn`.
+    slot_lsn: Lsn,
+    gate: FlushGate,
+    recorded: RecordedHandle,
+    /// A gap was accepted (`--accept-gap`) just now.
+    gap_accepted: bool,
+}
+
+/// The gap rule and the session's record, once the slot is held: where the session starts,
+/// the slot's `confirmed_flush_lsn`, the flush gate and the record's handle, and whether a gap
+/// was accepted just now. Closes the replication stream when the record cannot be written.
+async fn record_start(
+    config: &RunConfig,
+    sql: tokio_postgres::Client,
+    memory: &SessionMemory,
+    started: Started,
+    stream_check: Option<(Lsn, &str)>,
+) -> Result<(Started, Recorded), Error> {
     // We hold the slot now: nobody else can move confirmed_flush_lsn under us.
     let slot_lsn = admin::confirmed_flush_lsn(&sql, &config.postgres.slot).await?;
     let at = stream_state::SlotAt {
@@ -224,35 +320,22 @@ pub(super) async fn connect(
     } else {
         stream_state::StartFrom::OwnResume(started.hint)
     };
-    let (gate, recorded) =
-        match stream_state::session_start(sql, config, &server, &at, start, from).await {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
-                return Err(e.into());
-            }
-        };
-    log_streaming(
-        config,
-        &prefix,
-        &lockdown,
-        start,
-        slot_lsn,
-        started.interval,
-    );
-    Ok(Connected {
-        stream: started.stream,
-        interval: started.interval,
-        sink,
-        nodes,
-        dead_letters,
-        start,
-        lockdown,
-        gate,
-        recorded,
-        identity: started.identity,
-        prefix,
-    })
+    match stream_state::session_start(sql, config, &server, &at, start, from, stream_check).await {
+        Ok((gate, recorded, gap_accepted)) => Ok((
+            started,
+            Recorded {
+                start,
+                slot_lsn,
+                gate,
+                recorded,
+                gap_accepted,
+            },
+        )),
+        Err(e) => {
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, started.stream.close()).await;
+            Err(e.into())
+        }
+    }
 }
 
 /// The SQL side's checks before anything streams: pre-flight, the background tasks'

@@ -301,6 +301,11 @@ impl Settling {
                 self.dead_letter_in_flight(seq, dead_letter_reason::TOO_LARGE, error)?
             }
             PublishOutcome::Nacked => self.nacked(seq)?,
+            PublishOutcome::Refused { code, text } => self.dead_letter_in_flight(
+                seq,
+                crate::contract::dead_letter_reason::STREAM_REFUSED,
+                format!("the stream refused the publish with code {code:#04x} ({text})"),
+            )?,
             PublishOutcome::Returned {
                 reply_code,
                 reply_text,

@@ -22,6 +22,7 @@ use crate::publisher::encode::Encoder;
 use crate::publisher::{AmqpSink, BrokerSignals, PublisherConfig};
 use crate::sink::partitioned::PartitionedSink;
 use crate::sink::Sink;
+use crate::stream_publisher::{StreamConfig, StreamSink};
 
 /// The broker's nodes (`--amqp-url`, in `--amqp-url-order`), where each partition's next
 /// connect pass starts, and which nodes lost a connection.
@@ -105,6 +106,9 @@ pub(super) struct ConnectedSink {
     pub sink: Box<dyn Sink>,
     /// The node of each connection, partition 0 first (one for a single connection).
     pub nodes: Vec<usize>,
+    /// `run --stream`: the highest publishing id the broker had stored for the producer
+    /// name when the sink connected, and that name.
+    pub stream_stored: Option<(u64, String)>,
 }
 
 /// The sink a run publishes to, decided once from its settings.
@@ -132,6 +136,31 @@ pub(super) enum SinkChoice {
         /// What keys a message's partition.
         key: PartitionKey,
     },
+    /// `--stream-url` with `--stream`: one stream-protocol connection with one named
+    /// publisher ([`StreamSink`]).
+    Stream {
+        /// The connection's settings (`url` set per node, `producer_name` per session).
+        config: StreamConfig,
+        /// The message mapping (`--publish-properties`, `--cloudevents`).
+        encoder: Encoder,
+    },
+}
+
+/// The producer name of `run --stream`: `--stream-producer-name`, else `pgoutbox-SLOT`,
+/// with `-gN` appended after the N-th gap accepted with `--accept-gap` (so ids of a new
+/// history are never compared with the old one's; docs/src/internals/stream-ids.md).
+pub(super) fn stream_producer_name(config: &RunConfig, accepted_gaps: usize) -> String {
+    let base = config
+        .broker
+        .stream
+        .as_ref()
+        .and_then(|s| s.producer_name.clone())
+        .unwrap_or_else(|| format!("pgoutbox-{}", config.postgres.slot));
+    if accepted_gaps == 0 {
+        base
+    } else {
+        format!("{base}-g{accepted_gaps}")
+    }
 }
 
 impl SinkChoice {
@@ -164,7 +193,24 @@ impl SinkChoice {
             config.publishing.publish_properties,
             config.publishing.cloudevents.clone(),
         );
-        // The next sink is chosen here too: `--stream-url` gives `Stream`.
+        if let Some(stream) = &config.broker.stream {
+            return SinkChoice::Stream {
+                config: StreamConfig {
+                    url: String::new(),
+                    stream: stream.stream.clone(),
+                    producer_name: String::new(),
+                    create: match config.broker.exchange_declare {
+                        ExchangeDeclare::DurableTopic => {
+                            Some(stream.arguments(config.broker.stream_max_length_bytes))
+                        }
+                        ExchangeDeclare::Passive => None,
+                    },
+                    connection_name: format!("pgoutbox {}", config.observability.instance_id),
+                    signals: signals_of(0),
+                },
+                encoder,
+            };
+        }
         if partitions.count > 1 {
             return SinkChoice::Partitioned {
                 signals: (0..usize::from(partitions.count)).map(signals_of).collect(),
@@ -183,13 +229,26 @@ impl SinkChoice {
     /// # Errors
     /// As [`connect_amqp`], for the first partition that did not connect (the ones
     /// connected before it are dropped, which closes their sockets).
-    pub async fn connect(&self, nodes: &BrokerNodes) -> Result<ConnectedSink, Error> {
-        // One arm per sink; `Stream` will connect the stream publisher and query its
-        // stored sequence.
+    pub async fn connect(
+        &self,
+        nodes: &BrokerNodes,
+        producer_name: &str,
+    ) -> Result<ConnectedSink, Error> {
         match self {
             SinkChoice::Amqp { publisher, encoder } => {
                 let (sink, node) = connect_amqp(nodes, 0, publisher.clone(), encoder).await?;
                 Ok(ConnectedSink {
+                    sink: Box::new(sink),
+                    nodes: vec![node],
+                    stream_stored: None,
+                })
+            }
+            SinkChoice::Stream { config, encoder } => {
+                let mut config = config.clone();
+                config.producer_name = producer_name.to_owned();
+                let (sink, node) = connect_stream(nodes, config, encoder).await?;
+                Ok(ConnectedSink {
+                    stream_stored: Some((sink.stored(), producer_name.to_owned())),
                     sink: Box::new(sink),
                     nodes: vec![node],
                 })
@@ -240,6 +299,7 @@ async fn connect_partitions(
     Ok(ConnectedSink {
         sink: Box::new(PartitionedSink::new(parts, key)),
         nodes: used,
+        stream_stored: None,
     })
 }
 
@@ -306,6 +366,61 @@ async fn connect_amqp(
     Err(first_retryable
         .or(first_definite)
         .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ node is configured".into())))
+}
+
+/// One connect pass of the stream publisher over the nodes of `--stream-url`, as
+/// [`connect_amqp`] makes one over `--amqp-url`'s.
+///
+/// # Errors
+/// As [`connect_amqp`].
+async fn connect_stream(
+    nodes: &BrokerNodes,
+    mut config: StreamConfig,
+    encoder: &Encoder,
+) -> Result<(StreamSink, usize), Error> {
+    let total = nodes.urls.len();
+    let mut first_retryable: Option<Error> = None;
+    let mut first_definite: Option<Error> = None;
+    for i in nodes.pass(0) {
+        config.url.clone_from(&nodes.urls[i]);
+        let url = crate::config::redact_url(&nodes.urls[i]);
+        match StreamSink::connect(&config, encoder.clone()).await {
+            Ok(sink) => {
+                tracing::info!(
+                    node = %url,
+                    index = i + 1,
+                    of = total,
+                    stream = %config.stream,
+                    "connected to the RabbitMQ stream"
+                );
+                return Ok((sink, i));
+            }
+            Err(e) => {
+                let e = Error::from(e);
+                if total > 1 {
+                    tracing::warn!(
+                        node = %url,
+                        index = i + 1,
+                        of = total,
+                        definite = !e.is_retryable(),
+                        error = %crate::error::one_line(&e),
+                        "RabbitMQ stream node did not accept the connection; trying the next"
+                    );
+                }
+                let slot = if e.is_retryable() {
+                    &mut first_retryable
+                } else {
+                    &mut first_definite
+                };
+                if slot.is_none() {
+                    *slot = Some(e);
+                }
+            }
+        }
+    }
+    Err(first_retryable
+        .or(first_definite)
+        .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ stream node is configured".into())))
 }
 
 #[cfg(test)]

@@ -157,6 +157,15 @@ pub enum PublishOutcome {
         /// Why.
         error: String,
     },
+    /// Never stored: the destination refused this message definitely (a stream's
+    /// `PublishError` with a code that concerns the message, not the stream). Dead-lettered
+    /// as `stream_refused`, never retried.
+    Refused {
+        /// The destination's code (stream protocol response code, e.g. 0x10).
+        code: u16,
+        /// The code's meaning, and where.
+        text: String,
+    },
     /// The channel or connection failed before a confirm arrived: outcome unknown,
     /// treated as not delivered. Carries what failed (the broker's close reply, a socket
     /// error, a missed heartbeat) and where.
@@ -188,6 +197,9 @@ impl std::fmt::Display for PublishOutcome {
                 "not published: exchange {exchange:?} was refused ({reply_code} {reply_text})"
             ),
             PublishOutcome::Unsendable { error } => write!(f, "not published: {error}"),
+            PublishOutcome::Refused { code, text } => {
+                write!(f, "refused by the broker (code {code:#04x}: {text})")
+            }
             PublishOutcome::Failed(failure) => write!(f, "failed before a confirm: {failure}"),
         }
     }

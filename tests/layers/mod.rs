@@ -5,7 +5,7 @@
 //! | --- | --- | --- |
 //! | L0 pure data and codecs | bytes in, typed values out; names of the wire contract; no I/O | `lsn`, `pem`, `report`, `redaction`, `validation`, `contract`, `envelope`, `pgoutput`, `cloudevents`, `watermark`, `lockdown`, `routing`, `outbox_schema`, `partition` |
 //! | L1 settings | plain data the transports read, never the reverse; metric names and the state they count | `config`, `secrets`, `metrics` |
-//! | L2 transports | the sessions to the servers: Postgres SQL and replication, RabbitMQ, the sink seam, the HTTP endpoint | `postgres`, `replication`, `publisher`, `sink`, `metrics::http` |
+//! | L2 transports | the sessions to the servers: Postgres SQL and replication, RabbitMQ, the sink seam, the HTTP endpoint | `postgres`, `replication`, `publisher`, `stream_publisher`, `sink`, `metrics::http` |
 //! | L3 beside the pipeline | what `run`, the admin commands and `check` share; the consumer side | `stream_state`, `error`, `admin`, `check`, `inbox`, `topology` |
 //! | L4 the pipeline | `run`'s driver and event loop | `pipeline` |
 //! | L5 the edge | argv, environment, config file, the binary | `cli`, `config_file`, `main`, the crate root (`lib.rs`) |
@@ -60,6 +60,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "postgres",
             "replication",
             "publisher",
+            "stream_publisher",
             "sink",
             "metrics::http",
         ],
