@@ -414,7 +414,6 @@ async fn streams_to_a_node_with_no_plain_listener() {
     );
     tls.rabbit.ctl_ok(&["eval", &declare]);
     emit(&ob, 20);
-    let last = crate::support::lsn(&ob.sql("SELECT pg_current_wal_lsn()"));
     let queued = || {
         tls.rabbit
             .ctl_ok(&["list_queues", "-q", "name", "messages"])
@@ -432,7 +431,8 @@ async fn streams_to_a_node_with_no_plain_listener() {
             .await;
     assert!(arrived, "{} of 20 queued:\n{}", queued(), streamer.log());
     assert!(
-        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        ob.settled_through_now(scaled(Duration::from_secs(60)))
+            .await,
         "the slot did not move past the last message:\n{}",
         streamer.log()
     );
