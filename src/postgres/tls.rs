@@ -203,6 +203,11 @@ pub fn channel_binding_unavailable(target: &str, offered: &str) -> TlsError {
 pub fn hba_hint(message: &str, tls: &PostgresTls) -> Option<String> {
     if message.contains("no pg_hba.conf entry") && message.contains("no encryption") {
         Some(format!("the server accepts this connection only over TLS (hostssl in pg_hba.conf) and sslmode={} connected in plaintext; use sslmode=require, or verify-full with sslrootcert=", tls.mode.as_str()))
+    } else if message.contains("requires a valid client certificate") {
+        // `cert` in pg_hba.conf (or clientcert=verify-full): a password cannot help.
+        Some("the server authenticates this user by a client certificate (cert or clientcert in pg_hba.conf): set sslcert= and sslkey= in --database-url to a certificate the server's CA (ssl_ca_file) signed, with the user name as its CN".into())
+    } else if message.contains("certificate authentication failed for user") {
+        Some("the client certificate's CN is not this user name (nor mapped to it in pg_ident.conf): connect as the user the certificate names, or use one issued for this user".into())
     } else {
         None
     }
@@ -541,5 +546,13 @@ mod tests {
         assert!(e.definite && e.to_string().contains("ssl = on"), "{e}");
         assert!(hba_hint("no pg_hba.conf entry for host \"127.0.0.1\", user \"u\", database \"d\", no encryption", &tls).is_some());
         assert!(hba_hint("password authentication failed", &tls).is_none());
+        assert!(
+            hba_hint("connection requires a valid client certificate", &tls)
+                .is_some_and(|h| h.contains("sslcert=") && h.contains("sslkey="))
+        );
+        assert!(
+            hba_hint("certificate authentication failed for user \"u\"", &tls)
+                .is_some_and(|h| h.contains("CN"))
+        );
     }
 }

@@ -469,3 +469,135 @@ async fn channel_binding_require_is_refused_without_tls() {
     );
     assert!(!log.contains("streaming slot="), "run streamed: {log}");
 }
+
+/// Runs the binary to completion with `env` added: (exit code, stdout and stderr).
+fn pgoutbox_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgoutbox"))
+        .args(args)
+        .envs(env.iter().copied())
+        .env("NO_COLOR", "1")
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .expect("run pgoutbox");
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// Issue 32 item 4: a client certificate and `sslrootcert=system`, end to end. The role
+/// `pw_cert` may log in only by a certificate its CA signed (`cert` in `pg_hba.conf`). `run`
+/// with `sslcert=`/`sslkey=` of that certificate and `sslrootcert=system` (the system trust
+/// store, here the test CA through `SSL_CERT_FILE`, which rustls-native-certs reads) streams
+/// 10 messages, and the walsender's `pg_stat_ssl` shows the certificate's subject. Without
+/// the certificate the server refuses the login; without the CA in the system store the
+/// server's certificate does not verify; each names what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_logs_in_and_sslrootcert_system_reads_the_system_store() {
+    let tls = TlsPostgres::shared();
+    let db = tls.create_database("pgtls_cert");
+    let root = tls.rootcert();
+    let superuser = tls.url("localhost", &db, &format!("sslmode=verify-full&{root}"));
+    let ob = outbox(tls, "pgtls_cert", db.clone(), &superuser).await;
+    ob.sql(&format!("GRANT {STREAMER_ROLE} TO pw_cert"));
+    let cert = format!(
+        "sslcert={}&sslkey={}",
+        tls.client_cert.display(),
+        tls.client_key.display()
+    );
+    let ca = tls.ca.display().to_string();
+    let system_store = [("SSL_CERT_FILE", ca.as_str())];
+    let url = tls.url_as(
+        "pw_cert",
+        "localhost",
+        &db,
+        &format!("sslmode=verify-full&sslrootcert=system&{cert}"),
+    );
+    let status = |url: &str, env: &[(&str, &str)]| {
+        pgoutbox_env(
+            &[
+                "status",
+                "--database-url",
+                url,
+                "--slot",
+                &ob.slot,
+                "--publication",
+                &ob.publication,
+            ],
+            env,
+        )
+    };
+
+    // Without the certificate: pg_hba.conf's cert line refuses the login.
+    let no_cert = tls.url_as(
+        "pw_cert",
+        "localhost",
+        &db,
+        "sslmode=verify-full&sslrootcert=system",
+    );
+    let (code, text) = status(&no_cert, &system_store);
+    assert!(code.is_some_and(|c| c != 0), "{code:?} {text}");
+    assert!(
+        text.contains("certificate") && text.contains("sslcert="),
+        "no certificate: {text}"
+    );
+    eprintln!("without sslcert=: {text}");
+    // Without the test CA in the system store: the server's certificate does not verify.
+    let (code, text) = status(&url, &[("SSL_CERT_FILE", "/nonexistent/ca.pem")]);
+    assert!(code.is_some_and(|c| c != 0), "{code:?} {text}");
+    assert!(text.contains("sslrootcert=system"), "empty store: {text}");
+    eprintln!("without the CA in the system store: {text}");
+
+    let streamer = crate::support::Streamer::spawn(
+        &[
+            "run",
+            "--database-url",
+            &url,
+            "--amqp-url",
+            &ob.amqp_url,
+            "--slot",
+            &ob.slot,
+            "--publication",
+            &ob.publication,
+            "--exchange",
+            &ob.exchange,
+            "--instance-id",
+            "pgtls-cert",
+        ],
+        &[("SSL_CERT_FILE", ca.as_str()), ("RUST_LOG", "info")],
+    );
+    ob.sql(
+        "DO $$ BEGIN FOR i IN 1..10 LOOP PERFORM outbox.emit('cert.' || i, jsonb_build_object('n', i), '{}', 'cert-' || i); COMMIT; END LOOP; END $$",
+    );
+    let got = ob.drain(10, scaled(Duration::from_secs(30))).await;
+    let ids: Vec<String> = got.iter().filter_map(|m| m.message_id.clone()).collect();
+    let want: Vec<String> = (1..=10).map(|i| format!("cert-{i}")).collect();
+    assert_eq!(ids, want, "{}", streamer.log());
+    let walsender = ob.sql(
+        "SELECT r.usename || ' ' || s.ssl || ' ' || coalesce(s.client_dn, '-') FROM pg_stat_replication r JOIN pg_stat_ssl s USING (pid) WHERE r.application_name = 'pgoutbox-pgtls-cert'",
+    );
+    assert_eq!(
+        walsender.trim(),
+        "pw_cert true /CN=pw_cert",
+        "{}",
+        streamer.log()
+    );
+    let (code, text) = status(&url, &system_store);
+    assert!(code == Some(0) || code == Some(1), "{code:?} {text}");
+    assert!(
+        text.contains("pgoutbox-pgtls-cert"),
+        "status names the holder: {text}"
+    );
+    eprintln!("client certificate and sslrootcert=system: 10 of 10, walsender {walsender}");
+    streamer.sigterm();
+    let exit = streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "{exit:?}\n{}",
+        streamer.log()
+    );
+}

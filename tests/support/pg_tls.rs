@@ -5,7 +5,9 @@
 //! certificate a test CA signed for `localhost` and `127.0.0.1`, and a `pg_hba.conf` whose
 //! TCP lines are all `hostssl` (so a plaintext TCP connection is refused with "no
 //! pg_hba.conf entry ..., no encryption"): `pw_scram` by `scram-sha-256` (for channel
-//! binding), everyone else by trust. The harness' own `psql` goes over the Unix socket.
+//! binding), `pw_cert` by a client certificate (`cert`: the test CA is the server's
+//! `ssl_ca_file`; [`TlsPostgres::client_cert`] is one for `pw_cert`), everyone else by
+//! trust. The harness' own `psql` goes over the Unix socket.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -24,6 +26,10 @@ pub struct TlsPostgres {
     pub ca: PathBuf,
     /// Another CA, which signed nothing the server presents (PEM).
     pub other_ca: PathBuf,
+    /// A client certificate for the role `pw_cert`, signed by [`TlsPostgres::ca`] (PEM).
+    pub client_cert: PathBuf,
+    /// Its private key (PKCS#8 PEM, mode 0600).
+    pub client_key: PathBuf,
 }
 
 static SHARED: OnceLock<TlsPostgres> = OnceLock::new();
@@ -48,6 +54,8 @@ impl TlsPostgres {
         TlsPostgres {
             ca: root.join("ca.pem"),
             other_ca: root.join("other-ca.pem"),
+            client_cert: root.join("pw_cert.pem"),
+            client_key: root.join("pw_cert.key"),
             pg,
         }
     }
@@ -57,6 +65,7 @@ impl TlsPostgres {
         let (ca_pem, issuer) = ca("pgoutbox postgres test CA");
         let (other_ca_pem, _) = ca("pgoutbox other CA");
         let (server_pem, server_key) = leaf("localhost", &["localhost", "127.0.0.1"], &issuer);
+        let (client_pem, client_key) = leaf("pw_cert", &["pw_cert"], &issuer);
         let data = pg.data_dir();
         let root = pg.root_dir();
         let write = |path: PathBuf, text: &str, mode: u32| {
@@ -77,6 +86,10 @@ impl TlsPostgres {
         write(data.join("server.key"), &server_key, 0o600);
         write(root.join("ca.pem"), &ca_pem, 0o644);
         write(root.join("other-ca.pem"), &other_ca_pem, 0o644);
+        // The server verifies client certificates against the test CA.
+        write(data.join("ca.pem"), &ca_pem, 0o644);
+        write(root.join("pw_cert.pem"), &client_pem, 0o644);
+        write(root.join("pw_cert.key"), &client_key, 0o600);
         // The Unix socket keeps trust (the harness' psql); TCP is hostssl only.
         let mut hba = String::from("# TYPE DATABASE USER ADDRESS METHOD\n");
         for db in ["all", "replication"] {
@@ -84,6 +97,7 @@ impl TlsPostgres {
             hba.push_str(&format!(
                 "hostssl {db} pw_scram 127.0.0.1/32 scram-sha-256\n"
             ));
+            hba.push_str(&format!("hostssl {db} pw_cert 127.0.0.1/32 cert\n"));
             hba.push_str(&format!("hostssl {db} all 127.0.0.1/32 trust\n"));
             hba.push_str(&format!("hostssl {db} all ::1/128 trust\n"));
         }
@@ -92,6 +106,7 @@ impl TlsPostgres {
             "ssl = on",
             "ssl_cert_file = 'server.crt'",
             "ssl_key_file = 'server.key'",
+            "ssl_ca_file = 'ca.pem'",
         ] {
             pg.psql("postgres", &format!("ALTER SYSTEM SET {setting}"));
         }
@@ -100,6 +115,7 @@ impl TlsPostgres {
             pg.psql("postgres", "SHOW ssl").trim() == "on"
         });
         assert!(on, "ssl did not turn on:\n{}", pg.log_contents());
+        pg.psql("postgres", "CREATE ROLE pw_cert LOGIN REPLICATION");
         eprintln!("[harness] postgres TLS-only on port {}", pg.port());
         TlsPostgres::of(pg)
     }
