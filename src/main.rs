@@ -602,7 +602,7 @@ async fn run(config: RunConfig, passwords_on_argv: &[&str]) -> Result<u8, Error>
     if !passwords_on_argv.is_empty() {
         tracing::warn!(
             flags = %passwords_on_argv.join(", "),
-            "a password was given on the command line ({}): every user of this machine can read it in the process list; set it through the environment (PGOUTBOX_DATABASE_URL, PGOUTBOX_AMQP_URL) or a file instead (--database-url-file, --amqp-url-file, PGOUTBOX_DATABASE_PASSWORD_FILE, PGOUTBOX_AMQP_PASSWORD_FILE)",
+            "a password was given on the command line ({}): every user of this machine can read it in the process list; set it through the environment (PGOUTBOX_DATABASE_URL, PGOUTBOX_AMQP_URL, PGOUTBOX_STREAM_URL) or a file instead (--database-url-file, --amqp-url-file, PGOUTBOX_DATABASE_PASSWORD_FILE, PGOUTBOX_AMQP_PASSWORD_FILE)",
             passwords_on_argv.join(", ")
         );
     }

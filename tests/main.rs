@@ -36,5 +36,6 @@ mod routing;
 mod secrets;
 mod standby;
 mod status;
+mod streams;
 mod tls;
 mod topology;

@@ -1,0 +1,396 @@
+//! `run --stream-url URL --stream NAME` (issue 19): every outbox message goes into a RabbitMQ
+//! stream over the stream protocol, deduplicated by publishing ids derived from the WAL. The
+//! stream is read back with `rstream`, a client we did not write (`support::read_stream`).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::{self, lsn, scaled, Outbox, Postgres, RabbitMq, StreamMessage, Streamer};
+
+/// `run` against `ob`, publishing into `stream` on `rmq` (instance id `instance`).
+fn run_stream(
+    ob: &Outbox<'_>,
+    rmq: &RabbitMq,
+    stream: &str,
+    instance: &str,
+    extra: &[&str],
+) -> Streamer {
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--database-url".into(),
+        ob.streamer_url(),
+        "--stream-url".into(),
+        rmq.stream_url(),
+        "--stream".into(),
+        stream.into(),
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+        "--instance-id".into(),
+        instance.into(),
+        "--http-addr".into(),
+        "off".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Streamer::spawn(&args, &[("RUST_LOG", "info")])
+}
+
+/// Every message of `stream`, read from its first offset (stops once none came for `idle`).
+async fn read_all(rmq: &'static RabbitMq, stream: &str, idle: Duration) -> Vec<StreamMessage> {
+    let stream = stream.to_owned();
+    tokio::task::spawn_blocking(move || support::read_stream(rmq, &stream, usize::MAX, idle))
+        .await
+        .expect("reader")
+}
+
+/// The commit-order check: commit LSNs never decrease along the stream, and within one
+/// commit the message LSNs increase. Returns the number of inversions found.
+fn order_inversions(messages: &[StreamMessage]) -> usize {
+    let mut inversions = 0;
+    let mut last: Option<(u64, u64)> = None;
+    for m in messages {
+        let commit = lsn(m.app_str("x-pgoutbox-commit-lsn").expect("commit LSN"));
+        let at = lsn(m.app_str("x-pgoutbox-lsn").expect("LSN"));
+        if let Some((c, l)) = last {
+            if commit < c || (commit == c && at <= l) {
+                inversions += 1;
+            }
+        }
+        last = Some((commit, at));
+    }
+    inversions
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_arrive_once_with_the_properties_and_headers_of_the_exchange_path() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_shape").await;
+    let stream = support::unique("stream_shape");
+    let streamer = run_stream(&ob, rmq, &stream, "shape-a", &[]);
+    ob.sql(
+        "BEGIN; \
+         SELECT outbox.emit('orders.created', '{\"n\": 1, \"s\": \"é\"}', '{\"h\": \"v\", \"k\": 7}', 'm-1', \
+                correlation_id => 'corr-1', aggregate_type => 'order', aggregate_id => 'o-1', aggregate_version => 3); \
+         SELECT outbox.emit('orders.paid', '{\"n\": 2}', '{}', 'm-2'); \
+         COMMIT;",
+    );
+    ob.emit("orders.shipped", "m-3");
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(60)))
+            .await,
+        "the slot never moved past the messages:\n{}",
+        streamer.log()
+    );
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    let ids: Vec<_> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["m-1", "m-2", "m-3"], "{got:#?}\n{}", streamer.log());
+    let m = &got[0];
+    assert_eq!(m.subject.as_deref(), Some("orders.created"));
+    assert_eq!(m.content_type.as_deref(), Some("application/json"));
+    assert_eq!(m.correlation_id.as_deref(), Some("corr-1"));
+    assert_eq!(
+        m.body,
+        "{\"n\": 1, \"s\": \"é\"}".as_bytes(),
+        "byte-exact payload"
+    );
+    assert_eq!(m.app_str("h"), Some("v"));
+    assert_eq!(m.application_properties["k"], serde_json::json!(7));
+    assert_eq!(m.app_str("x-pgoutbox-aggregate-id"), Some("o-1"));
+    assert_eq!(m.app_str("x-pgoutbox-aggregate-type"), Some("order"));
+    assert_eq!(
+        m.application_properties["x-pgoutbox-aggregate-version"],
+        serde_json::json!(3)
+    );
+    let commit_us = m.application_properties["x-pgoutbox-commit-time-us"]
+        .as_i64()
+        .expect("commit time");
+    assert_eq!(m.creation_time, Some(commit_us.div_euclid(1000)));
+    // Both messages of the first transaction carry its commit LSN; their own LSNs increase.
+    assert_eq!(
+        got[0].app_str("x-pgoutbox-commit-lsn"),
+        got[1].app_str("x-pgoutbox-commit-lsn")
+    );
+    assert_eq!(order_inversions(&got), 0);
+    assert_eq!(got[2].subject.as_deref(), Some("orders.shipped"));
+
+    // A restart sends nothing again: the broker's stored id covers every message.
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let again = run_stream(&ob, rmq, &stream, "shape-b", &[]);
+    assert!(
+        again
+            .wait_for_log("stream publisher declared", scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        again.log()
+    );
+    ob.emit("orders.closed", "m-4");
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        again.log()
+    );
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    let ids: Vec<_> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["m-1", "m-2", "m-3", "m-4"], "{}", again.log());
+    again.stop_ok(scaled(Duration::from_secs(30))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_confirm_and_before_the_flush_is_deduplicated() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_failpoint").await;
+    let stream = support::unique("stream_failpoint");
+    let mut last = 0;
+    for i in 0..50 {
+        last = ob.emit("t.crash", &format!("f-{i}"));
+    }
+    let crashing = run_stream(
+        &ob,
+        rmq,
+        &stream,
+        "fp-a",
+        &["--failpoint", "abort-after-confirms=50"],
+    );
+    let exit = crashing.wait_exit(scaled(Duration::from_secs(60))).await;
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the failpoint did not abort: {exit:?}\n{}",
+        crashing.log()
+    );
+    assert!(
+        ob.not_acknowledged(last),
+        "the flush report went out before the abort; the test proves nothing"
+    );
+    let stored = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    assert_eq!(
+        stored.len(),
+        50,
+        "the broker confirmed all 50 before the abort"
+    );
+
+    // The replay: every message is counted as stored at start, none is sent again.
+    let again = run_stream(&ob, rmq, &stream, "fp-b", &[]);
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        "{}",
+        again.log()
+    );
+    again.stop_ok(scaled(Duration::from_secs(30))).await;
+    let log = again.log();
+    assert!(
+        log.contains("skipped=50"),
+        "no dedup at start in the log:\n{log}"
+    );
+    let after = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    assert_eq!(
+        after.len(),
+        50,
+        "the stream grew on the replay: {}",
+        after.len()
+    );
+    eprintln!("failpoint: 50 confirmed before the abort, 50 skipped at start, stream length 50");
+}
+
+/// The kill schedule's producer: transactions of 1 to 4 messages, recorded in `audit` in the
+/// same transaction.
+async fn producer(
+    url: String,
+    p: i32,
+    target: usize,
+    committed: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut client = Postgres::client_url(&url).await.expect("producer connects");
+    let mut seq = 0i32;
+    let topic = format!("kills.{p}");
+    while !stop.load(Ordering::SeqCst) && committed.load(Ordering::SeqCst) < target {
+        seq += 1;
+        let n = 1 + (seq % 4);
+        let tx = client.transaction().await.expect("begin");
+        for j in 0..n {
+            let id = format!("p{p}-{seq}-{j}");
+            tx.execute(
+                "SELECT outbox.emit($5::text, jsonb_build_object('p', $1::int, 's', $2::int, 'j', $3::int), '{}', $4)",
+                &[&p, &seq, &j, &id, &topic],
+            )
+            .await
+            .expect("emit");
+            tx.execute("INSERT INTO audit (message_id) VALUES ($1)", &[&id])
+                .await
+                .expect("audit");
+        }
+        tx.commit().await.expect("commit");
+        committed.fetch_add(n as usize, Ordering::SeqCst);
+    }
+}
+
+/// The instance id of the process holding the slot (`pgoutbox-ID` is its walsender's
+/// application name), if any.
+fn holder(ob: &Outbox<'_>) -> Option<String> {
+    let name = ob.sql(&format!(
+        "SELECT a.application_name FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = '{}'",
+        ob.slot
+    ));
+    name.trim().strip_prefix("pgoutbox-").map(str::to_owned)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit_order() {
+    let target = support::scaled_count(20_000);
+    let pg = Postgres::shared();
+    let rmq: &'static RabbitMq = Box::leak(Box::new(RabbitMq::start_private()));
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_kills").await;
+    ob.sql("CREATE TABLE audit (message_id text PRIMARY KEY)");
+    let stream = support::unique("stream_kills");
+    // Two processes on one slot: one streams, the other stands by and takes over.
+    let mut next = 0;
+    let spawn = |next: &mut usize| {
+        *next += 1;
+        let id = format!("k{next}");
+        (
+            id.clone(),
+            run_stream(&ob, rmq, &stream, &id, &["--standby-poll-ms", "200"]),
+        )
+    };
+    let mut procs: HashMap<String, Streamer> = HashMap::new();
+    for _ in 0..2 {
+        let (id, s) = spawn(&mut next);
+        procs.insert(id, s);
+    }
+    let committed = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let producers: Vec<_> = (0..3)
+        .map(|p| {
+            tokio::spawn(producer(
+                ob.url(),
+                p,
+                target,
+                committed.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    let kills = 8;
+    let mut restart = None;
+    let mut logs = String::new();
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    for round in 0..kills + 1 {
+        // Wait for progress: the kills land at random points of the first 80 % of the
+        // production, the broker restart in the last part.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let at = target * (round + 1) / (kills + 3) + (seed as usize % (target / 40).max(1));
+        let moved = support::wait_until(scaled(Duration::from_secs(120)), || async {
+            committed.load(Ordering::SeqCst) >= at
+        })
+        .await;
+        assert!(
+            moved,
+            "round {round}: producers stalled at {}",
+            committed.load(Ordering::SeqCst)
+        );
+        if round == kills {
+            // Last, near the end of the production, in the background: the producers and the kills go on meanwhile.
+            eprintln!("stream kills: round {round}: restarting RabbitMQ");
+            restart = Some(tokio::task::spawn_blocking(move || {
+                rmq.stop_app();
+                std::thread::sleep(Duration::from_millis(500));
+                rmq.start_app();
+            }));
+            continue;
+        }
+        let held = support::wait_until(scaled(Duration::from_secs(60)), || {
+            let h = holder(&ob);
+            async move { h.is_some() }
+        })
+        .await;
+        assert!(held, "round {round}: nobody holds the slot");
+        let victim = holder(&ob).expect("holder");
+        let Some(p) = procs.remove(&victim) else {
+            panic!("round {round}: the holder {victim} is none of ours");
+        };
+        eprintln!(
+            "stream kills: round {round}: SIGKILL the holder {victim} at {} committed",
+            committed.load(Ordering::SeqCst)
+        );
+        p.kill9();
+        p.wait_exit(Duration::from_secs(10)).await;
+        logs.push_str(&p.log());
+        let (id, s) = spawn(&mut next);
+        procs.insert(id, s);
+    }
+    for p in producers {
+        p.await.expect("producer");
+    }
+    if let Some(r) = restart {
+        r.await.expect("the broker restart");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let total: usize = ob
+        .sql("SELECT count(*) FROM audit")
+        .trim()
+        .parse()
+        .expect("count");
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(180)))
+            .await,
+        "the slot never passed the last commit"
+    );
+    for (_, p) in procs.drain() {
+        p.stop_ok(scaled(Duration::from_secs(30))).await;
+        logs.push_str(&p.log());
+    }
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(10))).await;
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for m in &got {
+        *seen
+            .entry(m.message_id.clone().unwrap_or_default())
+            .or_default() += 1;
+    }
+    let audit: HashSet<String> = ob
+        .sql("SELECT message_id FROM audit")
+        .lines()
+        .map(|l| l.trim().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect();
+    let lost: Vec<_> = audit
+        .iter()
+        .filter(|id| !seen.contains_key(*id))
+        .take(10)
+        .collect();
+    let duplicates: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).take(10).collect();
+    let invented = seen.keys().filter(|id| !audit.contains(*id)).count();
+    let inversions = order_inversions(&got);
+    let skipped: usize = logs
+        .lines()
+        .filter_map(|l| l.split("skipped=").nth(1))
+        .filter_map(|r| r.split_whitespace().next()?.parse::<usize>().ok())
+        .sum();
+    eprintln!(
+        "stream kills: {total} committed, {} in the stream, {kills} kills of the holder (a standby took over each), 1 RabbitMQ restart, {} lost, {} duplicates, {invented} invented, {inversions} order inversions, {skipped} skipped at start",
+        got.len(),
+        lost.len(),
+        duplicates.len()
+    );
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert!(
+        duplicates.is_empty(),
+        "duplicates in the stream: {duplicates:?}"
+    );
+    assert_eq!(invented, 0);
+    assert_eq!(inversions, 0, "order inversions");
+    assert_eq!(got.len(), total);
+}
