@@ -406,7 +406,14 @@ impl ReplicationConnection {
             match startup.step(msg, &mut self.write_buf)? {
                 StartupStep::Wait => {}
                 StartupStep::Send { context } => self.flush(context).await?,
-                StartupStep::Ready => return Ok(()),
+                StartupStep::Ready => {
+                    // Which method was used, SCRAM-SHA-256-PLUS showing channel binding.
+                    tracing::debug!(
+                        method = startup.method(),
+                        "replication connection authenticated"
+                    );
+                    return Ok(());
+                }
             }
         }
     }
@@ -743,6 +750,8 @@ pub struct Startup<'a> {
     binding: ChannelBindingState,
     /// SCRAM-SHA-256-PLUS was chosen.
     bound: bool,
+    /// How the server authenticated us so far: `trust` until it asks for something.
+    method: &'static str,
 }
 
 impl std::fmt::Debug for Startup<'_> {
@@ -753,6 +762,7 @@ impl std::fmt::Debug for Startup<'_> {
             .field("scram_started", &self.scram.is_some())
             .field("channel_binding", &self.binding.mode)
             .field("bound", &self.bound)
+            .field("method", &self.method)
             .finish()
     }
 }
@@ -767,7 +777,14 @@ impl<'a> Startup<'a> {
             scram: None,
             binding: ChannelBindingState::default(),
             bound: false,
+            method: "trust",
         }
+    }
+
+    /// The authentication method the server asked for (`trust` when it asked for none):
+    /// `password`, `md5`, `SCRAM-SHA-256` or `SCRAM-SHA-256-PLUS` (channel binding used).
+    pub fn method(&self) -> &'static str {
+        self.method
     }
 
     /// The channel binding this session can offer.
@@ -821,11 +838,13 @@ impl<'a> Startup<'a> {
             }
             backend::Message::AuthenticationCleartextPassword => {
                 self.check_unbound("a cleartext password")?;
+                self.method = "password";
                 let pw = self.password.ok_or_else(need_password)?;
                 password_step(pw, out)
             }
             backend::Message::AuthenticationMd5Password(body) => {
                 self.check_unbound("md5")?;
+                self.method = "md5";
                 let pw = self.password.ok_or_else(need_password)?;
                 let hash = postgres_protocol::authentication::md5_hash(
                     self.user.as_bytes(),
@@ -876,6 +895,7 @@ impl<'a> Startup<'a> {
                     None => (SCRAM_SHA_256, ChannelBinding::unsupported()),
                 };
                 self.bound = mechanism == SCRAM_SHA_256_PLUS;
+                self.method = mechanism;
                 let s = ScramSha256::new(pw, binding);
                 frontend::sasl_initial_response(mechanism, s.message(), out).map_err(|source| {
                     Error::Io {

@@ -601,3 +601,76 @@ async fn a_client_certificate_logs_in_and_sslrootcert_system_reads_the_system_st
         streamer.log()
     );
 }
+
+/// Issue 32 item 4: channel binding shown to be used. `run` as `pw_scram` (authenticated by
+/// `scram-sha-256` in `pg_hba.conf`) over TLS with `channel_binding=require` logs that its
+/// replication connection authenticated with SCRAM-SHA-256-PLUS (the server accepts that
+/// mechanism only when the `tls-server-end-point` data bound into the exchange matches its
+/// own certificate) and streams; with `channel_binding=disable` the same role authenticates
+/// with plain SCRAM-SHA-256. Both connections of `run` are over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_authenticates_with_scram_sha_256_plus_under_channel_binding() {
+    let tls = TlsPostgres::shared();
+    let db = tls.create_database("pgtls_plus");
+    let superuser = tls.url("127.0.0.1", &db, "sslmode=require");
+    let ob = outbox(tls, "pgtls_plus", db.clone(), &superuser).await;
+    ob.sql(&format!("GRANT {STREAMER_ROLE} TO pw_scram"));
+    let mut sent = 0;
+    for (binding, method) in [
+        ("require", "SCRAM-SHA-256-PLUS"),
+        ("disable", "SCRAM-SHA-256"),
+    ] {
+        let url = format!(
+            "{}?sslmode=require&channel_binding={binding}",
+            tls.pg.url_as("pw_scram", "pw_scram", &db)
+        );
+        let instance = format!("pgtls-cb-{binding}");
+        let streamer = ob.run_with_url(&url, &["--instance-id", &instance]);
+        assert!(
+            streamer
+                .wait_for_log(
+                    "replication connection authenticated",
+                    scaled(Duration::from_secs(30))
+                )
+                .await,
+            "channel_binding={binding}: {}",
+            streamer.log()
+        );
+        let line = streamer
+            .log()
+            .lines()
+            .find(|l| l.contains("replication connection authenticated"))
+            .map(str::to_owned)
+            .unwrap_or_default();
+        assert!(
+            line.contains(&format!("method=\"{method}\""))
+                && (method.ends_with("PLUS") || !line.contains("PLUS")),
+            "channel_binding={binding}: {line}"
+        );
+        eprintln!("channel_binding={binding}: {line}");
+        ob.sql(&format!(
+            "DO $$ BEGIN FOR i IN {}..{} LOOP PERFORM outbox.emit('cb.' || i, jsonb_build_object('n', i), '{{}}', 'cb-' || i); COMMIT; END LOOP; END $$",
+            sent + 1,
+            sent + 5
+        ));
+        let got = ob.drain(5, scaled(Duration::from_secs(30))).await;
+        assert_eq!(
+            got.len(),
+            5,
+            "channel_binding={binding}: {}",
+            streamer.log()
+        );
+        sent += 5;
+        let ssl = ob.sql(&format!(
+            "SELECT bool_and(s.ssl) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) WHERE a.application_name = 'pgoutbox-{instance}'"
+        ));
+        assert_eq!(ssl.trim(), "t", "channel_binding={binding}");
+        streamer.sigterm();
+        let exit = streamer.wait_exit(scaled(Duration::from_secs(20))).await;
+        assert!(
+            exit.is_some_and(|s| s.success()),
+            "{exit:?}\n{}",
+            streamer.log()
+        );
+    }
+}
