@@ -408,6 +408,12 @@ async fn postgres(config: &RunConfig, out: &mut Vec<Finding>) {
 /// (URL without its password), and a node that fails while another passes is a warning,
 /// not a problem: `run` fails over to the nodes that answer.
 async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
+    if config.broker.stream.is_some() {
+        for url in &config.broker.amqp_urls {
+            stream_node(config, url, out).await;
+        }
+        return;
+    }
     if config.broker.amqp_urls.len() <= 1 {
         for url in &config.broker.amqp_urls {
             broker_node(config, url, out).await;
@@ -435,6 +441,60 @@ async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
                 ));
             }
             out.push(f);
+        }
+    }
+}
+
+/// `run --stream`: the node answers the stream protocol and takes the login, the stream
+/// exists (or `run` creates it), and the producer name's stored publishing id.
+async fn stream_node(config: &RunConfig, url: &str, out: &mut Vec<Finding>) {
+    let Some(settings) = &config.broker.stream else {
+        return;
+    };
+    let shown = crate::config::redact_url(url);
+    let accepted = match crate::postgres::connect(&config.postgres.database).await {
+        Ok(client) => crate::stream_state::accepted_gap_count(
+            &client,
+            &config.postgres.schema,
+            &config.postgres.slot,
+        )
+        .await
+        .unwrap_or(0),
+        Err(_) => 0,
+    };
+    let producer = config.stream_producer_name(accepted);
+    match crate::stream_publisher::inspect(url, &settings.stream, &producer).await {
+        Err(e) => out.push(finding(Severity::Problem, "stream", report(&e.into()))),
+        Ok(found) => {
+            out.push(finding(
+                Severity::Ok,
+                "stream node",
+                format!("{shown} answers the stream protocol and takes the login"),
+            ));
+            match (found.exists, found.stored, config.broker.exchange_declare) {
+                (false, _, crate::config::ExchangeDeclare::Passive) => out.push(finding(
+                    Severity::Problem,
+                    "stream",
+                    format!("stream {:?} does not exist and run has --no-declare: create it, or drop --no-declare", settings.stream),
+                )),
+                (false, _, _) => out.push(finding(
+                    Severity::Warning,
+                    "stream",
+                    format!("stream {:?} does not exist yet: run creates it", settings.stream),
+                )),
+                (true, stored, _) => {
+                    let stored = stored.unwrap_or(0);
+                    out.push(finding(
+                        Severity::Ok,
+                        "stream",
+                        format!(
+                            "stream {:?} exists; producer {producer:?} stored publishing id {stored} (commits up to {})",
+                            settings.stream,
+                            crate::stream_publisher::ids::commit_lsn_of(stored)
+                        ),
+                    ));
+                }
+            }
         }
     }
 }

@@ -157,6 +157,23 @@ impl RunConfig {
     pub fn into_settings(self) -> RunSettings {
         self.0
     }
+
+    /// The producer name of `run --stream`: `--stream-producer-name`, else `pgoutbox-SLOT`,
+    /// with `-gN` appended after the N-th gap accepted with `--accept-gap` (so ids of a new
+    /// history are never compared with the old one's; docs/src/internals/stream-ids.md).
+    pub fn stream_producer_name(&self, accepted_gaps: usize) -> String {
+        let base = self
+            .broker
+            .stream
+            .as_ref()
+            .and_then(|s| s.producer_name.clone())
+            .unwrap_or_else(|| format!("pgoutbox-{}", self.postgres.slot));
+        if accepted_gaps == 0 {
+            base
+        } else {
+            format!("{base}-g{accepted_gaps}")
+        }
+    }
 }
 
 #[cfg(test)]

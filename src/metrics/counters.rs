@@ -39,6 +39,34 @@ pub struct Counters {
     journal_written: Counter,
     journal_dropped: Labelled,
     retention_deleted: Labelled,
+    stream: StreamCounters,
+}
+
+/// The counters `run --stream`'s publisher moves itself (a handle: clones count into the same
+/// series).
+#[derive(Debug, Clone, Default)]
+pub struct StreamCounters {
+    skipped: Counter,
+    errors: Labelled,
+}
+
+impl StreamCounters {
+    /// `n` messages were counted as stored without being sent
+    /// ([`super::STREAM_SKIPPED_AT_START_TOTAL`]).
+    pub fn skipped(&self, n: u64) {
+        self.skipped.inc_by(n);
+    }
+
+    /// A publish error with `code` (one of [`super::STREAM_ERROR_CODES`]; another value
+    /// counts as `other`).
+    pub fn publish_error(&self, code: &'static str) {
+        let code = if super::STREAM_ERROR_CODES.contains(&code) {
+            code
+        } else {
+            "other"
+        };
+        self.errors.get_or_create(&[("code", code)]).inc();
+    }
 }
 
 impl Counters {
@@ -56,6 +84,7 @@ impl Counters {
         zero(&self.reconnects, "cause", RECONNECT_CAUSES);
         zero(&self.journal_dropped, "reason", JOURNAL_DROP_REASONS);
         zero(&self.retention_deleted, "table", RETENTION_TABLES);
+        zero(&self.stream.errors, "code", super::STREAM_ERROR_CODES);
         registry.register(
             total(MESSAGES_PUBLISHED_TOTAL),
             "Publishes made (every attempt: first publishes, retries, re-sends after a reconnect)",
@@ -116,6 +145,21 @@ impl Counters {
             "Rows deleted by the retention task, by table",
             self.retention_deleted.clone(),
         );
+        registry.register(
+            total(super::STREAM_SKIPPED_AT_START_TOTAL),
+            "Messages run --stream counted as confirmed without sending them: the broker had stored their publishing ids already (deduplication at start)",
+            self.stream.skipped.clone(),
+        );
+        registry.register(
+            total(super::STREAM_PUBLISH_ERRORS_TOTAL),
+            "Publish errors of run --stream, by the stream protocol's code",
+            self.stream.errors.clone(),
+        );
+    }
+
+    /// The handle of the stream publisher's counters.
+    pub fn stream(&self) -> StreamCounters {
+        self.stream.clone()
     }
 
     /// The loop's process-wide totals of one turn: each counter moves up to its total.

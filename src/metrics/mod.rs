@@ -162,6 +162,27 @@ pub const JOURNAL_ROWS_DROPPED_TOTAL: &str = "pgoutbox_journal_rows_dropped_tota
 /// `journal`).
 pub const RETENTION_ROWS_DELETED_TOTAL: &str = "pgoutbox_retention_rows_deleted_total";
 
+/// Counter: messages `run --stream` counted as confirmed without sending them, because the
+/// broker had already stored their publishing ids for the producer name (deduplication at
+/// start, after a crash or a takeover; docs/src/internals/stream-ids.md).
+pub const STREAM_SKIPPED_AT_START_TOTAL: &str = "pgoutbox_stream_skipped_at_start_total";
+
+/// Counter: `PublishError`s of `run --stream`, label `code` ([`STREAM_ERROR_CODES`]).
+pub const STREAM_PUBLISH_ERRORS_TOTAL: &str = "pgoutbox_stream_publish_errors_total";
+
+/// The values of [`STREAM_PUBLISH_ERRORS_TOTAL`]'s label `code`: the stream protocol's
+/// response codes a publish error carries (PROTOCOL.adoc, "Response Codes"), `other` for any
+/// other code.
+pub const STREAM_ERROR_CODES: &[&str] = &[
+    "stream_does_not_exist",
+    "stream_not_available",
+    "access_refused",
+    "precondition_failed",
+    "publisher_does_not_exist",
+    "internal_error",
+    "other",
+];
+
 /// Counter: sessions that started streaming.
 pub const SESSIONS_STARTED_TOTAL: &str = "pgoutbox_sessions_started_total";
 
@@ -198,6 +219,8 @@ pub const NAMES: &[&str] = &[
     JOURNAL_ROWS_WRITTEN_TOTAL,
     JOURNAL_ROWS_DROPPED_TOTAL,
     RETENTION_ROWS_DELETED_TOTAL,
+    STREAM_SKIPPED_AT_START_TOTAL,
+    STREAM_PUBLISH_ERRORS_TOTAL,
     UNACKNOWLEDGED_MESSAGES,
     UNACKNOWLEDGED_BYTES,
     UNCONFIRMED_MESSAGES,
@@ -431,6 +454,11 @@ impl Telemetry {
     /// A publish was nacked.
     pub fn nacked(&self) {
         self.counters.nacked();
+    }
+
+    /// The counters `run --stream`'s publisher moves ([`counters::StreamCounters`]).
+    pub fn stream_counters(&self) -> counters::StreamCounters {
+        self.counters.stream()
     }
 
     /// A publish was returned.

@@ -18,7 +18,7 @@ use std::time::Duration;
 use super::admission::BrokerLimit;
 use super::dead_letter::DeadLetterWriter;
 use super::refusal::Refusals;
-use super::sinks::{stream_producer_name, BrokerNodes, ConnectedSink, SinkChoice};
+use super::sinks::{BrokerNodes, ConnectedSink, SinkChoice};
 use super::standby::Standby;
 use crate::admin;
 use crate::config::RunConfig;
@@ -226,7 +226,7 @@ pub(super) async fn connect(
     if gap_accepted && config.broker.stream.is_some() {
         // A gap accepted just now starts a new producer name: the new history's ids are
         // never compared with what the old name stored.
-        let name = stream_producer_name(config, accepted_before + 1);
+        let name = config.stream_producer_name(accepted_before + 1);
         tracing::warn!(producer = %name, "a gap was accepted: the stream publisher starts a new producer name");
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, sink.close()).await;
         let connected = sinks.connect(&memory.nodes, &name).await?;
@@ -271,7 +271,7 @@ async fn connect_sink(
         0
     };
     let connected = sinks
-        .connect(&memory.nodes, &stream_producer_name(config, accepted))
+        .connect(&memory.nodes, &config.stream_producer_name(accepted))
         .await?;
     Ok((connected, accepted))
 }

@@ -146,23 +146,6 @@ pub(super) enum SinkChoice {
     },
 }
 
-/// The producer name of `run --stream`: `--stream-producer-name`, else `pgoutbox-SLOT`,
-/// with `-gN` appended after the N-th gap accepted with `--accept-gap` (so ids of a new
-/// history are never compared with the old one's; docs/src/internals/stream-ids.md).
-pub(super) fn stream_producer_name(config: &RunConfig, accepted_gaps: usize) -> String {
-    let base = config
-        .broker
-        .stream
-        .as_ref()
-        .and_then(|s| s.producer_name.clone())
-        .unwrap_or_else(|| format!("pgoutbox-{}", config.postgres.slot));
-    if accepted_gaps == 0 {
-        base
-    } else {
-        format!("{base}-g{accepted_gaps}")
-    }
-}
-
 impl SinkChoice {
     /// The sink `config` asks for; `telemetry` gets each connection's blocked and lost
     /// flags.
@@ -207,6 +190,7 @@ impl SinkChoice {
                     },
                     connection_name: format!("pgoutbox {}", config.observability.instance_id),
                     signals: signals_of(0),
+                    counters: Some(telemetry.stream_counters()),
                 },
                 encoder,
             };

@@ -152,6 +152,8 @@ pub struct StreamConfig {
     pub connection_name: String,
     /// Flags other tasks read (metrics, readiness).
     pub signals: BrokerSignals,
+    /// Where skips at start and publish errors are counted (`None`: not counted).
+    pub counters: Option<crate::metrics::counters::StreamCounters>,
 }
 
 impl std::fmt::Debug for StreamConfig {
@@ -198,6 +200,20 @@ pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
     Ok(endpoint)
 }
 
+/// The label of `code` in `pgoutbox_stream_publish_errors_total`
+/// ([`crate::metrics::STREAM_ERROR_CODES`]).
+fn metric_code(c: u16) -> &'static str {
+    match c {
+        code::STREAM_DOES_NOT_EXIST => "stream_does_not_exist",
+        code::STREAM_NOT_AVAILABLE => "stream_not_available",
+        code::ACCESS_REFUSED => "access_refused",
+        code::PRECONDITION_FAILED => "precondition_failed",
+        code::PUBLISHER_DOES_NOT_EXIST => "publisher_does_not_exist",
+        0x0f => "internal_error",
+        _ => "other",
+    }
+}
+
 /// The handshake's socket side: whole frames out, whole frames in.
 struct Handshake {
     socket: Socket,
@@ -230,6 +246,11 @@ impl Handshake {
 
     async fn recv(&mut self) -> Result<ServerFrame, Error> {
         loop {
+            if self.inbuf.starts_with(b"AMQP") {
+                return Err(self.lost(
+                    "the server answered with an AMQP 0-9-1 protocol header: this is RabbitMQ's AMQP port, not its stream port (5552 by default, 5551 with TLS, the rabbitmq_stream plugin)",
+                ));
+            }
             match frames::frame_len(&self.inbuf, self.frame_max) {
                 Ok(Some(len)) => {
                     let frame = frames::decode(&self.inbuf[..len]);
@@ -300,20 +321,29 @@ struct Opened {
     stored: u64,
 }
 
-/// Connects, authenticates, opens the vhost, creates or checks the stream, declares the
-/// publisher and reads its stored sequence, within [`CONNECT_TIMEOUT`].
-async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
-    let endpoint = endpoint(&config.url)?;
+/// What to change when the broker refused a step with `code` (`vhost` for the commands).
+fn fix_for(code: u16, vhost: &str) -> String {
+    match code {
+        code::AUTHENTICATION_FAILURE => "check the user and password in --stream-url (PGOUTBOX_STREAM_URL); `rabbitmqctl list_users` shows the users".into(),
+        code::AUTHENTICATION_FAILURE_LOOPBACK => "this user may only connect from localhost (guest): create another user for remote connections".into(),
+        code::VIRTUAL_HOST_ACCESS_FAILURE => format!("the vhost {vhost:?} is missing or the user may not use it: `rabbitmqctl add_vhost {vhost}` and `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /)"),
+        code::ACCESS_REFUSED => format!("the user may not configure or write the stream: grant it with `rabbitmqctl set_permissions -p {vhost} USER ...` (configure to create it, write to publish)"),
+        _ => "see the code in the stream protocol's table of response codes".into(),
+    }
+}
+
+/// An open, authenticated connection with its vhost opened.
+struct Session {
+    hs: Handshake,
+    heartbeat_s: u32,
+    vhost: String,
+}
+
+/// Connects to `url` and runs PeerProperties, SaslHandshake, SaslAuthenticate (PLAIN),
+/// Tune and Open.
+async fn open_session(url: &str, connection_name: &str) -> Result<Session, Error> {
+    let endpoint = endpoint(url)?;
     let url = endpoint.redacted_url.clone();
-    let fixes = |code: u16, vhost: &str| -> String {
-        match code {
-            code::AUTHENTICATION_FAILURE => "check the user and password in --stream-url (PGOUTBOX_STREAM_URL); `rabbitmqctl list_users` shows the users".into(),
-            code::AUTHENTICATION_FAILURE_LOOPBACK => "this user may only connect from localhost (guest): create another user for remote connections".into(),
-            code::VIRTUAL_HOST_ACCESS_FAILURE => format!("the vhost {vhost:?} is missing or the user may not use it: `rabbitmqctl add_vhost {vhost}` and `rabbitmqctl set_permissions -p {vhost} USER '.*' '.*' '.*'`, or fix the vhost (the URL path, %2f for /)"),
-            code::ACCESS_REFUSED => format!("the user may not configure or write the stream: grant it with `rabbitmqctl set_permissions -p {vhost} USER ...` (configure to create it, write to publish)"),
-            _ => "see the code in PROTOCOL.adoc's table".into(),
-        }
-    };
     let socket = socket::connect(&endpoint)
         .await
         .map_err(|source| Error::Transport {
@@ -324,13 +354,11 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
         socket,
         inbuf: Vec::with_capacity(4096),
         out: BytesMut::with_capacity(4096),
-        url: url.clone(),
+        url,
         frame_max: 1 << 20,
         correlation: 0,
     };
     let vhost = endpoint.uri.vhost.clone();
-    let user = endpoint.uri.authority.userinfo.username.clone();
-    let password = endpoint.uri.authority.userinfo.password.clone();
     let c = hs.next();
     frames::peer_properties(
         &mut hs.out,
@@ -338,7 +366,7 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
         &[
             ("product", "pgoutbox"),
             ("version", env!("CARGO_PKG_VERSION")),
-            ("connection_name", &config.connection_name),
+            ("connection_name", connection_name),
         ],
     )
     .map_err(|e| Error::Url(e.to_string()))?;
@@ -346,6 +374,23 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
     if c0 != code::OK {
         return Err(hs.lost(format_args!("peer properties answered {}", code::name(c0))));
     }
+    login(&mut hs, &endpoint, &vhost).await?;
+    let heartbeat_s = tune(&mut hs, &endpoint).await?;
+    let c = hs.next();
+    frames::open(&mut hs.out, c, &vhost).map_err(|e| Error::Url(e.to_string()))?;
+    let (c0, _) = hs.call(frames::OPEN).await?;
+    if c0 != code::OK {
+        return Err(hs.refused("the virtual host", c0, fix_for(c0, &vhost)));
+    }
+    Ok(Session {
+        hs,
+        heartbeat_s,
+        vhost,
+    })
+}
+
+/// SaslHandshake and SaslAuthenticate with PLAIN.
+async fn login(hs: &mut Handshake, endpoint: &Endpoint, vhost: &str) -> Result<(), Error> {
     let c = hs.next();
     frames::sasl_handshake(&mut hs.out, c);
     let (c0, body) = hs.call(frames::SASL_HANDSHAKE).await?;
@@ -358,14 +403,20 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
             "enable the PLAIN mechanism (auth_mechanisms.1 = PLAIN in rabbitmq.conf)".into(),
         ));
     }
+    let user = &endpoint.uri.authority.userinfo.username;
+    let password = &endpoint.uri.authority.userinfo.password;
     let c = hs.next();
-    frames::sasl_plain(&mut hs.out, c, &user, &password).map_err(|e| Error::Url(e.to_string()))?;
+    frames::sasl_plain(&mut hs.out, c, user, password).map_err(|e| Error::Url(e.to_string()))?;
     let (c0, _) = hs.call(frames::SASL_AUTHENTICATE).await?;
     if c0 != code::OK {
-        return Err(hs.refused("the login", c0, fixes(c0, &vhost)));
+        return Err(hs.refused("the login", c0, fix_for(c0, vhost)));
     }
-    // The broker proposes frame_max and heartbeat; we take its values (a URL's
-    // `heartbeat=` lowers the heartbeat, never raises it past the broker's).
+    Ok(())
+}
+
+/// The broker's Tune and ours: its frame_max, and its heartbeat (seconds) unless the URL's
+/// `heartbeat=` is lower.
+async fn tune(hs: &mut Handshake, endpoint: &Endpoint) -> Result<u32, Error> {
     let (frame_max, heartbeat_s) = loop {
         match hs.recv().await? {
             ServerFrame::Tune {
@@ -389,47 +440,75 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
     if frame_max != 0 {
         hs.frame_max = frame_max;
     }
+    Ok(heartbeat_s)
+}
+
+/// Whether `stream` exists (Metadata).
+async fn stream_exists(hs: &mut Handshake, stream: &str) -> Result<bool, Error> {
     let c = hs.next();
-    frames::open(&mut hs.out, c, &vhost).map_err(|e| Error::Url(e.to_string()))?;
-    let (c0, _) = hs.call(frames::OPEN).await?;
-    if c0 != code::OK {
-        return Err(hs.refused("the virtual host", c0, fixes(c0, &vhost)));
+    frames::metadata(&mut hs.out, c, &[stream]).map_err(|e| Error::Url(e.to_string()))?;
+    let (c0, _) = hs.call(frames::METADATA).await?;
+    Ok(c0 != code::STREAM_DOES_NOT_EXIST)
+}
+
+/// Creates `stream` with `arguments` unless it exists.
+async fn create_stream(
+    hs: &mut Handshake,
+    stream: &str,
+    arguments: &[(&'static str, String)],
+    vhost: &str,
+) -> Result<(), Error> {
+    let c = hs.next();
+    frames::create(&mut hs.out, c, stream, arguments).map_err(|e| Error::Url(e.to_string()))?;
+    let (c0, _) = hs.call(frames::CREATE).await?;
+    match c0 {
+        code::OK => {
+            tracing::info!(stream, "created the stream");
+            Ok(())
+        }
+        code::STREAM_ALREADY_EXISTS => Ok(()),
+        code::ACCESS_REFUSED => Err(hs.refused("creating the stream", c0, fix_for(c0, vhost))),
+        code::PRECONDITION_FAILED => Err(hs.refused(
+            "creating the stream",
+            c0,
+            format!("a queue named {stream:?} that is no stream exists, or an argument of --stream-max-age/--stream-max-length-bytes was refused: pick another --stream or fix the argument"),
+        )),
+        other => Err(hs.lost(format_args!(
+            "creating stream {stream:?} answered {} ({other:#04x})",
+            code::name(other)
+        ))),
     }
+}
+
+/// The highest publishing id the broker stored for `producer` on `stream` (0: none).
+async fn stored_sequence(hs: &mut Handshake, producer: &str, stream: &str) -> Result<u64, Error> {
+    let c = hs.next();
+    frames::query_publisher_sequence(&mut hs.out, c, producer, stream)
+        .map_err(|e| Error::Url(e.to_string()))?;
+    match hs.call(frames::QUERY_PUBLISHER_SEQUENCE).await? {
+        (code::OK, ResponseBody::Sequence(s)) => Ok(s),
+        (other, _) => Err(hs.lost(format_args!(
+            "querying the publisher sequence of {producer:?} answered {} ({other:#04x})",
+            code::name(other)
+        ))),
+    }
+}
+
+/// Connects, authenticates, opens the vhost, creates or checks the stream, declares the
+/// publisher and reads its stored sequence.
+async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
+    let Session {
+        mut hs,
+        heartbeat_s,
+        vhost,
+    } = open_session(&config.url, &config.connection_name).await?;
     let stream = config.stream.as_str();
     match &config.create {
-        Some(arguments) => {
-            let c = hs.next();
-            frames::create(&mut hs.out, c, stream, arguments)
-                .map_err(|e| Error::Url(e.to_string()))?;
-            let (c0, _) = hs.call(frames::CREATE).await?;
-            match c0 {
-                code::OK => tracing::info!(stream, "created the stream"),
-                code::STREAM_ALREADY_EXISTS => {}
-                code::ACCESS_REFUSED => {
-                    return Err(hs.refused("creating the stream", c0, fixes(c0, &vhost)))
-                }
-                code::PRECONDITION_FAILED => {
-                    return Err(hs.refused(
-                        "creating the stream",
-                        c0,
-                        format!("a queue named {stream:?} that is no stream exists, or an argument of --stream-max-age/--stream-max-length-bytes was refused: pick another --stream or fix the argument"),
-                    ))
-                }
-                other => {
-                    return Err(hs.lost(format_args!(
-                        "creating stream {stream:?} answered {} ({other:#04x})",
-                        code::name(other)
-                    )))
-                }
-            }
-        }
+        Some(arguments) => create_stream(&mut hs, stream, arguments, &vhost).await?,
         None => {
-            let c = hs.next();
-            frames::metadata(&mut hs.out, c, &[stream]).map_err(|e| Error::Url(e.to_string()))?;
-            let (c0, _) = hs.call(frames::METADATA).await?;
-            if c0 == code::STREAM_DOES_NOT_EXIST {
+            if !stream_exists(&mut hs, stream).await? {
                 return Err(Error::StreamMissing {
-                    url: url.clone(),
+                    url: hs.url.clone(),
                     stream: stream.to_owned(),
                 });
             }
@@ -443,11 +522,11 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
         code::OK => {}
         code::STREAM_DOES_NOT_EXIST => {
             return Err(Error::StreamMissing {
-                url: url.clone(),
+                url: hs.url.clone(),
                 stream: stream.to_owned(),
             })
         }
-        code::ACCESS_REFUSED => return Err(hs.refused("the publisher", c0, fixes(c0, &vhost))),
+        code::ACCESS_REFUSED => return Err(hs.refused("the publisher", c0, fix_for(c0, &vhost))),
         other => {
             return Err(hs.lost(format_args!(
                 "declaring the publisher on stream {stream:?} answered {} ({other:#04x})",
@@ -455,25 +534,53 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
             )))
         }
     }
-    let c = hs.next();
-    frames::query_publisher_sequence(&mut hs.out, c, &config.producer_name, stream)
-        .map_err(|e| Error::Url(e.to_string()))?;
-    let (c0, body) = hs.call(frames::QUERY_PUBLISHER_SEQUENCE).await?;
-    let stored = match (c0, body) {
-        (code::OK, ResponseBody::Sequence(s)) => s,
-        (other, _) => {
-            return Err(hs.lost(format_args!(
-                "querying the publisher sequence of {:?} answered {} ({other:#04x})",
-                config.producer_name,
-                code::name(other)
-            )))
-        }
-    };
+    let stored = stored_sequence(&mut hs, &config.producer_name, stream).await?;
     Ok(Opened {
         hs,
         heartbeat: (heartbeat_s > 0).then(|| Duration::from_secs(u64::from(heartbeat_s))),
         stored,
     })
+}
+
+/// What `check` reads of a stream: whether it exists and, if so, the highest publishing id
+/// the broker stored for the producer name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inspection {
+    /// The stream exists.
+    pub exists: bool,
+    /// The producer name's stored publishing id (0: none); `None` when the stream is missing.
+    pub stored: Option<u64>,
+}
+
+/// Connects to `url` as `pgoutbox check` and reads `stream`'s existence and `producer`'s
+/// stored sequence, declaring nothing, within [`CONNECT_TIMEOUT`].
+///
+/// # Errors
+/// [`Error`], as connecting for `run` would fail.
+pub async fn inspect(url: &str, stream: &str, producer: &str) -> Result<Inspection, Error> {
+    let work = async {
+        let Session { mut hs, .. } = open_session(url, "pgoutbox check").await?;
+        if !stream_exists(&mut hs, stream).await? {
+            return Ok(Inspection {
+                exists: false,
+                stored: None,
+            });
+        }
+        let stored = stored_sequence(&mut hs, producer, stream).await?;
+        let c = hs.next();
+        let _ = frames::close(&mut hs.out, c, code::OK, "pgoutbox check done");
+        let _ = hs.send().await;
+        Ok(Inspection {
+            exists: true,
+            stored: Some(stored),
+        })
+    };
+    tokio::time::timeout(CONNECT_TIMEOUT, work)
+        .await
+        .map_err(|_| Error::Timeout {
+            url: crate::redaction::redact_url(url),
+            timeout_s: CONNECT_TIMEOUT.as_secs(),
+        })?
 }
 
 #[derive(Debug)]
@@ -514,6 +621,7 @@ pub struct StreamSink {
     published: u64,
     state: State,
     signals: BrokerSignals,
+    counters: Option<crate::metrics::counters::StreamCounters>,
     last_read: Instant,
     last_write: Instant,
     timer: Pin<Box<Sleep>>,
@@ -586,6 +694,7 @@ impl StreamSink {
             published: 0,
             state: State::Open,
             signals: config.signals.clone(),
+            counters: config.counters.clone(),
             last_read: now,
             last_write: now,
             timer: Box::pin(tokio::time::sleep_until(now)),
@@ -671,6 +780,9 @@ impl StreamSink {
             }
             ServerFrame::PublishError { publisher, errors } if publisher == PUBLISHER_ID => {
                 for (id, c) in errors {
+                    if let Some(counters) = &self.counters {
+                        counters.publish_error(metric_code(c));
+                    }
                     match c {
                         // The stream or our publisher is gone: nothing after this id is
                         // stored on this publisher; the session restarts and the replay
@@ -930,6 +1042,9 @@ impl Sink for StreamSink {
             // Already stored under our producer name: settled without sending.
             self.last_id = id;
             self.skipped += 1;
+            if let Some(c) = &self.counters {
+                c.skipped(1);
+            }
             self.ready.push((delivery.seq, PublishOutcome::Routed));
             return Ok(());
         }

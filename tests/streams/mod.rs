@@ -394,3 +394,154 @@ async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit
     assert_eq!(inversions, 0, "order inversions");
     assert_eq!(got.len(), total);
 }
+
+/// `pgoutbox ARGS` against `ob`'s database and slot, to completion: (exit code, stderr and
+/// stdout together).
+fn pgoutbox(ob: &Outbox<'_>, args: &[&str]) -> (Option<i32>, String) {
+    let mut full: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    full.extend([
+        "--database-url".into(),
+        ob.streamer_url(),
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+    ]);
+    let out = support::cli::command()
+        .args(&full)
+        .env("PGOUTBOX_HTTP_ADDR", "off")
+        .output()
+        .expect("run pgoutbox");
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_login_vhost_or_port_is_named_with_its_fix_and_no_secret() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_refusals").await;
+    let port = rmq.stream_port();
+    let secret = "Marker-Secret-81";
+    let cases = [
+        (
+            format!("rabbitmq-stream://guest:{secret}@127.0.0.1:{port}/%2f"),
+            "refused the login with authentication failure (0x08); check the user and password in --stream-url",
+        ),
+        (
+            format!("rabbitmq-stream://guest:guest@127.0.0.1:{port}/no_such_vhost"),
+            "refused the virtual host with virtual host access failure (0x0c); the vhost \"no_such_vhost\" is missing",
+        ),
+    ];
+    for (url, expect) in &cases {
+        // run stops at once (definite), check reports it: both name the fix.
+        let (code, out) = pgoutbox(&ob, &["run", "--stream-url", url, "--stream", "s_refused"]);
+        assert_eq!(code, Some(1), "run: {out}");
+        assert!(out.contains(expect), "run: {out}");
+        assert!(!out.contains(secret), "run printed the password: {out}");
+        let (code, out) = pgoutbox(
+            &ob,
+            &["check", "--stream-url", url, "--stream", "s_refused"],
+        );
+        assert_eq!(code, Some(1), "check: {out}");
+        assert!(out.contains(expect), "check: {out}");
+        assert!(!out.contains(secret), "check printed the password: {out}");
+    }
+    // The AMQP port instead of the stream port.
+    let amqp_port = format!("rabbitmq-stream://guest:guest@127.0.0.1:{}/%2f", rmq.port());
+    let (code, out) = pgoutbox(
+        &ob,
+        &["check", "--stream-url", &amqp_port, "--stream", "s_refused"],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("this is RabbitMQ's AMQP port, not its stream port"),
+        "{out}"
+    );
+    // Both kinds of broker URL: refused before anything connects, naming both flags.
+    let (code, out) = pgoutbox(
+        &ob,
+        &[
+            "run",
+            "--stream-url",
+            &cases[0].0,
+            "--stream",
+            "s",
+            "--amqp-url",
+            &rmq.url(),
+        ],
+    );
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.contains("--stream-url/--stream replace --amqp-url/--exchange"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_stream_and_its_stored_sequence_and_no_declare_waits_for_it() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_check").await;
+    let stream = support::unique("stream_check");
+    let url = rmq.stream_url();
+    let (code, out) = pgoutbox(
+        &ob,
+        &[
+            "check",
+            "--stream-url",
+            &url,
+            "--stream",
+            &stream,
+            "--no-declare",
+        ],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "stream \"{stream}\" does not exist and run has --no-declare"
+        )),
+        "{out}"
+    );
+
+    // --no-declare: run waits for the stream, then streams into it.
+    let streamer = run_stream(&ob, rmq, &stream, "check-a", &["--no-declare"]);
+    ob.emit("t.check", "c-1");
+    assert!(
+        streamer
+            .wait_for_log(
+                "does not exist on RabbitMQ",
+                scaled(Duration::from_secs(60))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    support::declare_stream(&rmq.url(), &stream, &[]).await;
+    let last = ob.emit("t.check", "c-2");
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(90))).await,
+        "{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    assert_eq!(got.len(), 2, "{got:#?}");
+    let stored_id = {
+        // The last message's publishing id, as the design note defines it.
+        let commit = lsn(got[1].app_str("x-pgoutbox-commit-lsn").expect("commit LSN"));
+        (commit >> 3) << 16
+    };
+    let (code, out) = pgoutbox(&ob, &["check", "--stream-url", &url, "--stream", &stream]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains(&format!("stored publishing id {stored_id} ")),
+        "check does not show the stored id {stored_id}: {out}"
+    );
+}
