@@ -1133,3 +1133,279 @@ impl Sink for StreamSink {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Wire orderings against a scripted broker on a local socket (the real broker's
+    //! behaviour is tested end to end in `tests/streams`): publish errors, a confirm of an id
+    //! we never sent, deduplication at start.
+
+    use super::*;
+    use crate::envelope::{Envelope, Metadata};
+    use crate::lsn::Lsn;
+    use crate::sink::{recv_settled, Exchange};
+    use bytes::{BufMut, Bytes};
+    use tokio::net::TcpListener;
+
+    fn frame(key: u16, body: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        v.extend_from_slice(&((4 + body.len()) as u32).to_be_bytes());
+        v.extend_from_slice(&key.to_be_bytes());
+        v.extend_from_slice(&1u16.to_be_bytes());
+        v.extend_from_slice(body);
+        v
+    }
+
+    fn ok(key: u16, correlation: u32, rest: &[u8]) -> Vec<u8> {
+        let mut b = correlation.to_be_bytes().to_vec();
+        b.extend_from_slice(&code::OK.to_be_bytes());
+        b.extend_from_slice(rest);
+        frame(key | frames::RESPONSE, &b)
+    }
+
+    /// A broker that answers the handshake with `stored` as the producer's sequence, then
+    /// answers each published id with `answer(id)`: `None` a confirm, `Some(code)` a publish
+    /// error; and sends `extra` (raw frames) after the first publish.
+    async fn scripted(stored: u64, answer: fn(u64) -> Option<u16>, extra: Vec<u8>) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut buf = Vec::new();
+            let mut extra = Some(extra);
+            loop {
+                let mut chunk = [0u8; 65536];
+                let n = sock.read(&mut chunk).await.unwrap_or(0);
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                while let Ok(Some(len)) = frames::frame_len(&buf, 0) {
+                    let f: Vec<u8> = buf.drain(..len).collect();
+                    let key = u16::from_be_bytes([f[4], f[5]]);
+                    let corr = || u32::from_be_bytes([f[8], f[9], f[10], f[11]]);
+                    let reply = match key {
+                        frames::PEER_PROPERTIES | frames::OPEN => {
+                            ok(key, corr(), &0i32.to_be_bytes())
+                        }
+                        frames::SASL_HANDSHAKE => {
+                            let mut r = 1i32.to_be_bytes().to_vec();
+                            r.extend_from_slice(&5i16.to_be_bytes());
+                            r.extend_from_slice(b"PLAIN");
+                            ok(key, corr(), &r)
+                        }
+                        frames::SASL_AUTHENTICATE => {
+                            let mut r = ok(key, corr(), &(-1i32).to_be_bytes());
+                            let mut tune = 1_048_576u32.to_be_bytes().to_vec();
+                            tune.extend_from_slice(&60u32.to_be_bytes());
+                            r.extend_from_slice(&frame(frames::TUNE, &tune));
+                            r
+                        }
+                        frames::CREATE | frames::DECLARE_PUBLISHER => ok(key, corr(), &[]),
+                        frames::QUERY_PUBLISHER_SEQUENCE => ok(key, corr(), &stored.to_be_bytes()),
+                        frames::PUBLISH => {
+                            let count = u32::from_be_bytes([f[9], f[10], f[11], f[12]]);
+                            let mut at = 13;
+                            let (mut confirms, mut errors) = (Vec::new(), Vec::new());
+                            for _ in 0..count {
+                                let mut id = [0u8; 8];
+                                id.copy_from_slice(&f[at..at + 8]);
+                                let id = u64::from_be_bytes(id);
+                                let len = u32::from_be_bytes([
+                                    f[at + 8],
+                                    f[at + 9],
+                                    f[at + 10],
+                                    f[at + 11],
+                                ]);
+                                at += 12 + len as usize;
+                                match answer(id) {
+                                    None => confirms.push(id),
+                                    Some(c) => errors.push((id, c)),
+                                }
+                            }
+                            let mut r = Vec::new();
+                            if !errors.is_empty() {
+                                let mut b = vec![PUBLISHER_ID];
+                                b.extend_from_slice(&(errors.len() as u32).to_be_bytes());
+                                for (id, c) in &errors {
+                                    b.extend_from_slice(&id.to_be_bytes());
+                                    b.extend_from_slice(&c.to_be_bytes());
+                                }
+                                r.extend_from_slice(&frame(frames::PUBLISH_ERROR, &b));
+                            }
+                            let mut b = vec![PUBLISHER_ID];
+                            b.extend_from_slice(&(confirms.len() as u32).to_be_bytes());
+                            for id in &confirms {
+                                b.extend_from_slice(&id.to_be_bytes());
+                            }
+                            r.extend_from_slice(&frame(frames::PUBLISH_CONFIRM, &b));
+                            r.extend_from_slice(&extra.take().unwrap_or_default());
+                            r
+                        }
+                        _ => Vec::new(),
+                    };
+                    if sock.write_all(&reply).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        format!("rabbitmq-stream://u:p@127.0.0.1:{port}/%2f")
+    }
+
+    fn delivery(seq: Seq, commit: u64, index: u32) -> Delivery {
+        Delivery {
+            seq,
+            envelope: Envelope {
+                version: crate::envelope::VERSION_3,
+                message_id: format!("m-{seq}"),
+                topic: "t".into(),
+                content_type: "application/json".into(),
+                headers: serde_json::Map::new(),
+                payload: Bytes::from_static(b"{}"),
+                emitted_by: None,
+                emitted_by_unchecked: false,
+                exchange: None,
+                meta: Metadata::default(),
+            },
+            exchange: Exchange::Configured,
+            lsn: Lsn(commit - 8),
+            commit_lsn: Lsn(commit),
+            commit_time_us: 1,
+            index_in_txn: index,
+            emitter_checked: false,
+            attempt: 1,
+            read_at: None,
+        }
+    }
+
+    async fn sink(url: String) -> StreamSink {
+        let config = StreamConfig {
+            url,
+            stream: "s".into(),
+            producer_name: "p".into(),
+            create: Some(Vec::new()),
+            connection_name: "test".into(),
+            signals: BrokerSignals::default(),
+            counters: None,
+        };
+        StreamSink::connect(
+            &config,
+            Encoder::new(crate::config::PublishProperties::Full, None),
+        )
+        .await
+        .expect("connects to the scripted broker")
+    }
+
+    /// Every outcome, by seq, until `n` came.
+    async fn outcomes(s: &mut StreamSink, n: usize) -> BTreeMap<Seq, PublishOutcome> {
+        let mut all = BTreeMap::new();
+        while all.len() < n {
+            let got = tokio::time::timeout(Duration::from_secs(10), recv_settled(s))
+                .await
+                .expect("outcomes in time")
+                .expect("no sink error");
+            all.extend(got);
+        }
+        all
+    }
+
+    #[tokio::test]
+    async fn a_definite_publish_error_refuses_that_message_only() {
+        let url = scripted(
+            0,
+            |i| (i == ids::publishing_id(Lsn(160), 1).unwrap()).then_some(code::ACCESS_REFUSED),
+            Vec::new(),
+        )
+        .await;
+        let mut s = sink(url).await;
+        for (seq, i) in [(1, 0), (2, 1), (3, 2)] {
+            s.publish(delivery(seq, 160, i)).unwrap();
+        }
+        let all = outcomes(&mut s, 3).await;
+        assert_eq!(all[&1], PublishOutcome::Routed);
+        assert!(
+            matches!(&all[&2], PublishOutcome::Refused { code: 0x10, text } if text.contains("access refused")),
+            "{:?}",
+            all[&2]
+        );
+        assert_eq!(all[&3], PublishOutcome::Routed);
+        assert!(matches!(s.health().parts[0], PartHealth::Connected));
+    }
+
+    #[tokio::test]
+    async fn a_publish_error_that_means_the_stream_is_gone_ends_the_session_unsettled() {
+        let url = scripted(
+            0,
+            |i| {
+                (i == ids::publishing_id(Lsn(160), 1).unwrap())
+                    .then_some(code::PUBLISHER_DOES_NOT_EXIST)
+            },
+            Vec::new(),
+        )
+        .await;
+        let mut s = sink(url).await;
+        for (seq, i) in [(1, 0), (2, 1), (3, 2)] {
+            s.publish(delivery(seq, 160, i)).unwrap();
+        }
+        // The error comes before the confirms in the scripted reply: every publish still
+        // unconfirmed then fails (it is sent again by the next session), none is refused.
+        let all = outcomes(&mut s, 3).await;
+        for seq in 1..=3 {
+            assert!(
+                matches!(&all[&seq], PublishOutcome::Failed(f) if f.to_string().contains("publisher does not exist")),
+                "{seq}: {:?}",
+                all[&seq]
+            );
+        }
+        assert!(matches!(s.health().parts[0], PartHealth::Lost));
+        assert!(matches!(
+            recv_settled(&mut s).await,
+            Err(SinkError::Lost(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn ids_at_or_below_the_stored_sequence_settle_without_being_sent() {
+        let stored = ids::publishing_id(Lsn(160), 1).unwrap();
+        // The broker would refuse anything at or below `stored`: none of it may be sent.
+        let url = scripted(
+            stored,
+            |i| (i <= ids::publishing_id(Lsn(160), 1).unwrap()).then_some(0x0f),
+            Vec::new(),
+        )
+        .await;
+        let mut s = sink(url).await;
+        for (seq, i) in [(1, 0), (2, 1), (3, 2)] {
+            s.publish(delivery(seq, 160, i)).unwrap();
+        }
+        s.publish(delivery(4, 168, 0)).unwrap();
+        let all = outcomes(&mut s, 4).await;
+        assert!(
+            all.values().all(|o| *o == PublishOutcome::Routed),
+            "{all:?}"
+        );
+        assert_eq!(s.published, 2, "only the two above the stored id were sent");
+        // An id that does not increase is refused before anything is sent.
+        assert!(matches!(
+            s.publish(delivery(5, 168, 0)),
+            Err(SinkError::Violated(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_confirm_of_an_id_never_sent_settles_nothing() {
+        let mut stray = vec![PUBLISHER_ID];
+        stray.put_u32(1);
+        stray.put_u64(7);
+        let url = scripted(0, |_| None, frame(frames::PUBLISH_CONFIRM, &stray)).await;
+        let mut s = sink(url).await;
+        s.publish(delivery(1, 160, 0)).unwrap();
+        let all = outcomes(&mut s, 1).await;
+        assert_eq!(all[&1], PublishOutcome::Routed);
+        s.publish(delivery(2, 168, 0)).unwrap();
+        let all = outcomes(&mut s, 1).await;
+        assert_eq!(all.keys().copied().collect::<Vec<_>>(), [2]);
+        assert!(matches!(s.health().parts[0], PartHealth::Connected));
+    }
+}

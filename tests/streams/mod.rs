@@ -545,3 +545,45 @@ async fn check_reports_the_stream_and_its_stored_sequence_and_no_declare_waits_f
         "check does not show the stored id {stored_id}: {out}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_stream_ends_the_session_and_run_goes_on_into_the_new_one() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_deleted").await;
+    let stream = support::unique("stream_deleted");
+    let streamer = run_stream(&ob, rmq, &stream, "del-a", &[]);
+    let first = ob.emit("t.del", "d-1");
+    assert!(
+        ob.flushed_past(first, scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    // The broker tells its publishers (MetadataUpdate) and drops them.
+    rmq.ctl_ok(&["delete_queue", &stream]);
+    assert!(
+        streamer
+            .wait_for_log(
+                "changed (stream not available)",
+                scaled(Duration::from_secs(60))
+            )
+            .await,
+        "no MetadataUpdate handled:\n{}",
+        streamer.log()
+    );
+    let last = ob.emit("t.del", "d-2");
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(90))).await,
+        "{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    // The new stream (created again) holds what came after the deletion, once.
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    let ids: Vec<_> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["d-2"], "{}", streamer.log());
+}
