@@ -832,7 +832,7 @@ async fn broker_ceiling_own(
         .await
         .map_err(|e| format!("{what}: {e}"))?;
     let config = PublisherConfig {
-        amqp_url: stack.get("PGOUTBOX_AMQP_URL").to_string(),
+        amqp_url: stack.get("PGOUTBOX_AMQP_URL").into(),
         exchange: exchange.clone(),
         declare: pgoutbox::publisher::connection::Declare::DurableTopic,
         connection_name: format!("bench ceiling {tag}"),

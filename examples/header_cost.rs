@@ -110,7 +110,7 @@ async fn main() -> Result<(), String> {
     for round in 0..rounds {
         for shape in SHAPES {
             let config = PublisherConfig {
-                amqp_url: url.clone(),
+                amqp_url: url.clone().into(),
                 exchange: exchange.clone(),
                 declare: pgoutbox::publisher::connection::Declare::DurableTopic,
                 connection_name: "header_cost".into(),

@@ -16,7 +16,7 @@ use amq_protocol::types::AMQPValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::admin;
-use crate::config::RunConfig;
+use crate::config::{BrokerUrl, RunConfig};
 use crate::error::Error;
 use crate::publisher::{
     self,
@@ -425,7 +425,7 @@ async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
     for url in &config.broker.amqp_urls {
         let mut found = Vec::new();
         broker_node(config, url, &mut found).await;
-        per_node.push((crate::config::redact_url(url), found));
+        per_node.push((url.to_string(), found));
     }
     let healthy = per_node
         .iter()
@@ -447,11 +447,11 @@ async fn broker(config: &RunConfig, out: &mut Vec<Finding>) {
 
 /// `run --stream`: the node answers the stream protocol and takes the login, the stream
 /// exists (or `run` creates it), and the producer name's stored publishing id.
-async fn stream_node(config: &RunConfig, url: &str, out: &mut Vec<Finding>) {
+async fn stream_node(config: &RunConfig, url: &BrokerUrl, out: &mut Vec<Finding>) {
     let Some(settings) = &config.broker.stream else {
         return;
     };
-    let shown = crate::config::redact_url(url);
+    let shown = url.to_string();
     let accepted = match crate::postgres::connect(&config.postgres.database).await {
         Ok(client) => crate::stream_state::accepted_gap_count(
             &client,
@@ -463,7 +463,7 @@ async fn stream_node(config: &RunConfig, url: &str, out: &mut Vec<Finding>) {
         Err(_) => 0,
     };
     let producer = config.stream_producer_name(accepted);
-    match crate::stream_publisher::inspect(url, &settings.stream, &producer).await {
+    match crate::stream_publisher::inspect(url.expose_secret(), &settings.stream, &producer).await {
         Err(e) => out.push(finding(Severity::Problem, "stream", report(&e.into()))),
         Ok(found) => {
             out.push(finding(
@@ -499,8 +499,8 @@ async fn stream_node(config: &RunConfig, url: &str, out: &mut Vec<Finding>) {
     }
 }
 
-async fn broker_node(config: &RunConfig, amqp_url: &str, out: &mut Vec<Finding>) {
-    let endpoint = match Endpoint::parse(amqp_url) {
+async fn broker_node(config: &RunConfig, amqp_url: &BrokerUrl, out: &mut Vec<Finding>) {
+    let endpoint = match Endpoint::parse(amqp_url.expose_secret()) {
         Ok(e) => e,
         Err(e) => {
             out.push(finding(Severity::Problem, "broker", e.to_string()));

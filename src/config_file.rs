@@ -495,6 +495,7 @@ fn check_required(args: &RunArgs) -> Result<(), ConfigFileError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::BrokerUrl;
 
     /// `pgoutbox ARGS` with the config file `contents`, with no `PGOUTBOX_*` variable.
     fn with_file(contents: &str, args: &[&str]) -> Result<(Cli, Option<FileOrigin>), String> {
@@ -673,7 +674,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             run_args(cli).into_config().unwrap().broker.amqp_urls,
-            ["amqp://a", "amqp://b"]
+            [BrokerUrl::new("amqp://a"), BrokerUrl::new("amqp://b")]
         );
         // A URL given as a file on the command line keeps the file's URL out.
         let dir = tempfile::tempdir().unwrap();

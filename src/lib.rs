@@ -26,6 +26,7 @@ pub mod cli;
 pub mod cloudevents;
 pub mod config;
 pub mod config_file;
+pub mod connection_url;
 pub mod contract;
 pub mod envelope;
 pub mod error;

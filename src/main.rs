@@ -542,9 +542,9 @@ async fn declare_topology(args: pgoutbox::cli::DeclareTopologyArgs) -> Result<u8
     use pgoutbox::topology::{self, Mode};
     let topology = args.topology()?;
     let url = args.url()?;
-    let endpoint = Endpoint::parse(&url).map_err(|e| ValidationError {
+    let endpoint = Endpoint::parse(url.expose_secret()).map_err(|e| ValidationError {
         setting: "--amqp-url",
-        value: pgoutbox::redaction::redact_url(&url),
+        value: url.to_string(),
         rule: e.to_string(),
     })?;
     let opened = tokio::time::timeout(

@@ -251,7 +251,7 @@ impl PgUrlArgs {
     ///
     /// # Errors
     /// [`crate::config::ValidationError`] from [`crate::secrets::resolve`].
-    pub fn resolve(&self) -> Result<String, crate::config::ValidationError> {
+    pub fn resolve(&self) -> Result<crate::config::PgUrl, crate::config::ValidationError> {
         crate::secrets::resolve(
             Target::Postgres,
             &Sources {
@@ -260,6 +260,7 @@ impl PgUrlArgs {
                 password_file: self.database_password_file.clone(),
             },
         )
+        .map(crate::config::PgUrl::new)
     }
 
     /// The connection string, parsed (as [`crate::config::parse_database_url`]).
@@ -480,10 +481,11 @@ impl StandbyUrlArgs {
         self.standby_url
             .as_ref()
             .map(|url| {
-                crate::config::parse_database_url(&url.0).map_err(|mut e| {
-                    e.setting = "--standby-url";
-                    e
-                })
+                crate::config::parse_database_url(&crate::config::PgUrl::new(url.0.as_str()))
+                    .map_err(|mut e| {
+                        e.setting = "--standby-url";
+                        e
+                    })
             })
             .transpose()
     }
@@ -532,7 +534,7 @@ impl DeclareTopologyArgs {
     ///
     /// # Errors
     /// [`crate::config::ValidationError`] from [`crate::secrets::resolve`].
-    pub fn url(&self) -> Result<String, crate::config::ValidationError> {
+    pub fn url(&self) -> Result<crate::config::BrokerUrl, crate::config::ValidationError> {
         let url = crate::secrets::resolve(
             Target::Amqp,
             &Sources {
@@ -553,6 +555,7 @@ impl DeclareTopologyArgs {
                 password_file: self.amqp_password_file.clone(),
             },
         )
+        .map(crate::config::BrokerUrl::new)
     }
 
     /// The validated topology.

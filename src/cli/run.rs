@@ -25,7 +25,7 @@ use crate::config::numeric::{
     SLOT_BUSY_TIMEOUT_S, STALL_AFTER_S, STANDBY_POLL_MS, STREAM_MAX_LENGTH_BYTES,
 };
 use crate::config::{
-    AllowedExchanges, AmqpUrlOrder, BrokerSettings, ExchangeDeclare, JournalMode,
+    AllowedExchanges, AmqpUrlOrder, BrokerSettings, BrokerUrl, ExchangeDeclare, JournalMode,
     ObservabilitySettings, PartitionKey, Partitions, PipelineBounds, PostgresSettings,
     PublishProperties, PublishingSettings, Retention, RetentionSettings, RunConfig, RunSettings,
     UnroutablePolicy, ValidationError, DEFAULT_EXCHANGE, DEFAULT_PUBLICATION,
@@ -440,7 +440,7 @@ impl BrokerArgs {
                         password_file: self.amqp_password_file.clone(),
                     },
                 )?;
-                crate::secrets::with_amqp_tls_files(&url, &tls_files)
+                crate::secrets::with_amqp_tls_files(&url, &tls_files).map(BrokerUrl::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(BrokerSettings {
@@ -513,7 +513,10 @@ impl BrokerArgs {
         }
         let raw: Vec<String> = self.stream_url.iter().map(|u| u.0.clone()).collect();
         Ok(BrokerSettings {
-            amqp_urls: crate::config::split_stream_urls(&raw),
+            amqp_urls: crate::config::split_stream_urls(&raw)
+                .into_iter()
+                .map(BrokerUrl::new)
+                .collect(),
             amqp_url_order: match self.amqp_url_order {
                 AmqpUrlOrderArg::InOrder => AmqpUrlOrder::InOrder,
                 AmqpUrlOrderArg::Shuffle => AmqpUrlOrder::Shuffle,
@@ -924,7 +927,7 @@ mod tests {
             signals: Default::default(),
         };
         let endpoint = crate::publisher::socket::Endpoint::parse(amqp).unwrap();
-        let pg = crate::config::parse_database_url(db).unwrap();
+        let pg = crate::config::parse_database_url(&db.into()).unwrap();
         for (what, text) in [
             ("Cli", format!("{cli:?}")),
             ("RunArgs", format!("{run:?}")),
@@ -960,7 +963,9 @@ mod tests {
             Command::Run(args) => args.into_config().unwrap(),
             _ => unreachable!(),
         };
-        let ep = crate::publisher::socket::Endpoint::parse(&config.broker.amqp_urls[0]).unwrap();
+        let ep =
+            crate::publisher::socket::Endpoint::parse(config.broker.amqp_urls[0].expose_secret())
+                .unwrap();
         let tls = ep.tls.unwrap();
         assert_eq!(
             tls.anchors,

@@ -6,7 +6,7 @@
 //! retried for ever, [`BrokerSettings::validate`] runs the publisher's own parser, handed in
 //! by the edge that builds the settings (the settings do not import a transport).
 
-use crate::redaction::redact_url;
+use crate::connection_url::BrokerUrl;
 use crate::validation::ValidationError;
 
 pub use crate::partition::PartitionKey;
@@ -21,12 +21,12 @@ pub type UrlCheck<'a> = &'a dyn Fn(&str) -> Result<(), String>;
 
 /// Where `run` publishes (`--amqp-url`, `--amqp-url-order`, `--exchange`,
 /// `--allowed-exchanges`, `--no-declare`).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerSettings {
     /// `amqp://` or `amqps://` URLs of the broker's nodes (TLS parameters in each query),
     /// at least one, as given (see [`split_amqp_urls`]); [`BrokerSettings::amqp_url_order`]
     /// says in which order they are tried.
-    pub amqp_urls: Vec<String>,
+    pub amqp_urls: Vec<BrokerUrl>,
     /// The order the nodes of `amqp_urls` are tried in (`--amqp-url-order`).
     pub amqp_url_order: AmqpUrlOrder,
     /// Durable topic exchange messages are published to when their producer named none.
@@ -131,27 +131,6 @@ impl Default for Partitions {
             count: 1,
             key: PartitionKey::AggregateId,
         }
-    }
-}
-
-/// The URLs with their passwords masked.
-impl std::fmt::Debug for BrokerSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BrokerSettings")
-            .field(
-                "amqp_urls",
-                &self
-                    .amqp_urls
-                    .iter()
-                    .map(|u| redact_url(u))
-                    .collect::<Vec<_>>(),
-            )
-            .field("amqp_url_order", &self.amqp_url_order)
-            .field("exchange", &self.exchange)
-            .field("allowed_exchanges", &self.allowed_exchanges)
-            .field("exchange_declare", &self.exchange_declare)
-            .field("partitions", &self.partitions)
-            .finish()
     }
 }
 
@@ -263,7 +242,7 @@ pub fn split_stream_urls<S: AsRef<str>>(values: &[S]) -> Vec<String> {
 /// The nodes in the order `run` tries them: `urls` as given for
 /// [`AmqpUrlOrder::InOrder`], shuffled with `seed` for [`AmqpUrlOrder::Shuffle`] (the
 /// caller passes a random seed; a fixed one makes the order reproducible in tests).
-pub fn order_amqp_urls(urls: &[String], order: AmqpUrlOrder, seed: u64) -> Vec<String> {
+pub fn order_amqp_urls(urls: &[BrokerUrl], order: AmqpUrlOrder, seed: u64) -> Vec<BrokerUrl> {
     let mut urls = urls.to_vec();
     if order == AmqpUrlOrder::Shuffle {
         fastrand::Rng::with_seed(seed).shuffle(&mut urls);
@@ -279,7 +258,10 @@ pub fn order_amqp_urls(urls: &[String], order: AmqpUrlOrder, seed: u64) -> Vec<S
 /// # Errors
 /// [`ValidationError`] for `--amqp-url` naming the (redacted) URL at fault, and which of
 /// several it is.
-pub fn validate_amqp_urls(urls: &[String], url_check: UrlCheck<'_>) -> Result<(), ValidationError> {
+pub fn validate_amqp_urls(
+    urls: &[BrokerUrl],
+    url_check: UrlCheck<'_>,
+) -> Result<(), ValidationError> {
     validate_urls(urls, url_check, &AMQP_URLS)
 }
 
@@ -303,7 +285,7 @@ const STREAM_URLS: UrlKind = UrlKind {
 };
 
 fn validate_urls(
-    urls: &[String],
+    urls: &[BrokerUrl],
     url_check: UrlCheck<'_>,
     kind: &UrlKind,
 ) -> Result<(), ValidationError> {
@@ -318,32 +300,34 @@ fn validate_urls(
         });
     }
     for (i, url) in urls.iter().enumerate() {
+        // Every error names the URL by its redacted form (BrokerUrl's Display) only.
+        let shown = url.to_string();
+        let text = url.expose_secret();
         let which = if urls.len() > 1 {
             format!(" (URL {} of {})", i + 1, urls.len())
         } else {
             String::new()
         };
-        if !kind.schemes.iter().any(|s| url.starts_with(s)) {
+        if !kind.schemes.iter().any(|s| text.starts_with(s)) {
             return Err(ValidationError {
                 setting: kind.setting,
-                value: format!("{}{which}", redact_url(url)),
+                value: format!("{shown}{which}"),
                 rule: format!("expected {}", kind.example),
             });
         }
-        if crate::redaction::at_after_authority(url) {
+        if crate::redaction::at_after_authority(text) {
             return Err(ValidationError {
                 setting: kind.setting,
-                value: format!("{}{which}", redact_url(url)),
+                value: format!("{shown}{which}"),
                 rule: "an '@' after the host (in the vhost or the query): a second URL glued on by a typo? Each URL of a list starts with amqp:// or amqps://; write a literal '@' in a vhost as %40".into(),
             });
         }
-        if let Err(rule) = url_check(url) {
-            let shown = redact_url(url);
+        if let Err(rule) = url_check(text) {
             return Err(ValidationError {
                 setting: kind.setting,
                 rule: crate::redaction::only_shown(
                     rule,
-                    url,
+                    text,
                     &shown,
                     "not an AMQP URL (the parser's words would show a part of it that may be a password); expected amqp://user:password@host:port/vhost, with '@', ':', '/' and '?' in a password percent-encoded",
                 ),
@@ -383,16 +367,19 @@ mod tests {
 
     #[test]
     fn amqp_url_order_keeps_or_shuffles_every_node() {
-        let urls: Vec<String> = (1..=5).map(|i| format!("amqp://n{i}")).collect();
+        let urls: Vec<BrokerUrl> = (1..=5)
+            .map(|i| BrokerUrl::new(format!("amqp://n{i}")))
+            .collect();
         assert_eq!(order_amqp_urls(&urls, AmqpUrlOrder::InOrder, 7), urls);
         let shuffled = order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7);
         assert_eq!(shuffled, order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, 7));
-        let mut sorted = shuffled.clone();
+        let mut sorted: Vec<String> = shuffled.iter().map(ToString::to_string).collect();
         sorted.sort();
-        assert_eq!(sorted, urls, "a shuffle keeps every node once");
+        let given: Vec<String> = urls.iter().map(ToString::to_string).collect();
+        assert_eq!(sorted, given, "a shuffle keeps every node once");
         // Over a few seeds every node comes first at least once.
         let firsts: std::collections::HashSet<String> = (0..64)
-            .map(|seed| order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, seed)[0].clone())
+            .map(|seed| order_amqp_urls(&urls, AmqpUrlOrder::Shuffle, seed)[0].to_string())
             .collect();
         assert_eq!(firsts.len(), urls.len());
     }
@@ -410,23 +397,26 @@ mod tests {
         assert_eq!(e.setting, "--amqp-url");
         assert!(e.to_string().contains("at least one"), "{e}");
         let urls = [
-            "amqp://g:g@a/%2f".to_owned(),
-            "amqp://g:secret@b:99999999/%2f".to_owned(),
+            BrokerUrl::new("amqp://g:g@a/%2f"),
+            BrokerUrl::new("amqp://g:secret@b:99999999/%2f"),
         ];
         let e = validate_amqp_urls(&urls, &check).unwrap_err().to_string();
         assert!(
             e.contains("URL 2 of 2") && e.contains("invalid port number") && !e.contains("secret"),
             "{e}"
         );
-        let urls = ["amqp://g:g@a/%2f".to_owned(), "http://b".to_owned()];
+        let urls = [
+            BrokerUrl::new("amqp://g:g@a/%2f"),
+            BrokerUrl::new("http://b"),
+        ];
         let e = validate_amqp_urls(&urls, &check).unwrap_err().to_string();
         assert!(
             e.contains("URL 2 of 2") && e.contains("expected amqp://"),
             "{e}"
         );
         let urls = [
-            "amqp://g:g@a/%2f".to_owned(),
-            "amqps://g:g@b/%2f".to_owned(),
+            BrokerUrl::new("amqp://g:g@a/%2f"),
+            BrokerUrl::new("amqps://g:g@b/%2f"),
         ];
         assert!(validate_amqp_urls(&urls, &check).is_ok());
     }

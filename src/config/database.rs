@@ -34,7 +34,8 @@
 
 use std::path::PathBuf;
 
-use crate::redaction::{redact_url, shown_value};
+use crate::connection_url::PgUrl;
+use crate::redaction::shown_value;
 use crate::validation::ValidationError;
 
 /// libpq's `sslmode`.
@@ -310,9 +311,12 @@ impl std::ops::Deref for DatabaseConfig {
 /// # Errors
 /// [`ValidationError`] for `--database-url` when it does not parse, when a TLS parameter
 /// has a bad value or an unsupported `ssl*` parameter is given, or the TLS settings do not
-/// fit together ([`PostgresTls::validate`]).
-pub fn parse_database_url(url: &str) -> Result<DatabaseConfig, ValidationError> {
-    let shown = redact_url(url);
+/// fit together ([`PostgresTls::validate`]). The error names the URL by its redacted form
+/// only ([`PgUrl`]'s `Display`), and the parser's words only when they quote nothing that
+/// form hides ([`crate::redaction::only_shown`]).
+pub fn parse_database_url(url: &PgUrl) -> Result<DatabaseConfig, ValidationError> {
+    let shown = url.to_string();
+    let url = url.expose_secret();
     let invalid = |rule: String| {
         ValidationError {
         setting: "--database-url",
@@ -617,10 +621,14 @@ fn key_value_pairs(text: &str) -> Result<Vec<(usize, usize, String, String)>, St
 mod tests {
     use super::*;
 
+    fn parse(url: &str) -> Result<DatabaseConfig, ValidationError> {
+        parse_database_url(&PgUrl::new(url))
+    }
+
     #[test]
     fn reads_libpq_tls_parameters_from_urls_and_key_value_strings() {
         use tokio_postgres::config::SslMode as Pg;
-        let c = parse_database_url("postgres://u:p%40ss@h:6543/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca%20x.pem&connect_timeout=3&channel_binding=require").unwrap();
+        let c = parse("postgres://u:p%40ss@h:6543/db?sslmode=verify-full&sslrootcert=%2Fetc%2Fca%20x.pem&connect_timeout=3&channel_binding=require").unwrap();
         assert_eq!(c.tls.mode, SslMode::VerifyFull);
         assert_eq!(
             c.tls.root_cert,
@@ -633,7 +641,7 @@ mod tests {
             c.get_connect_timeout(),
             Some(&std::time::Duration::from_secs(3))
         );
-        let c = parse_database_url(
+        let c = parse(
             "host=h user=u sslmode = verify-ca sslrootcert='/ca dir/it\\'s.pem' sslcert=/c.pem sslkey=/k.pem dbname=d",
         )
         .unwrap();
@@ -645,29 +653,27 @@ mod tests {
         assert_eq!(c.tls.client_cert, Some(("/c.pem".into(), "/k.pem".into())));
         assert_eq!(c.get_dbname(), Some("d"));
         // The default is prefer, as in libpq; allow starts in plaintext.
-        let c = parse_database_url("postgres://u@h/db").unwrap();
+        let c = parse("postgres://u@h/db").unwrap();
         assert_eq!(
             (c.tls.mode, c.get_ssl_mode()),
             (SslMode::Prefer, Pg::Prefer)
         );
-        let c = parse_database_url("postgres://u@h/db?sslmode=allow").unwrap();
+        let c = parse("postgres://u@h/db?sslmode=allow").unwrap();
         assert_eq!(
             (c.tls.mode, c.get_ssl_mode()),
             (SslMode::Allow, Pg::Disable)
         );
         // A Unix-domain socket never uses TLS (libpq ignores sslmode there).
-        let c = parse_database_url("host=/tmp user=u sslmode=require").unwrap();
+        let c = parse("host=/tmp user=u sslmode=require").unwrap();
         assert_eq!(c.get_ssl_mode(), Pg::Disable);
         // require with a root certificate verifies the chain, as libpq does.
-        let c =
-            parse_database_url("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem").unwrap();
+        let c = parse("postgres://u@h/db?sslmode=require&sslrootcert=/ca.pem").unwrap();
         assert!(c.tls.verifies_chain());
-        assert!(!parse_database_url("postgres://u@h/db?sslmode=require")
+        assert!(!parse("postgres://u@h/db?sslmode=require")
             .unwrap()
             .tls
             .verifies_chain());
-        let c =
-            parse_database_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=system").unwrap();
+        let c = parse("postgres://u@h/db?sslmode=verify-full&sslrootcert=system").unwrap();
         assert_eq!(c.tls.root_cert, Some(RootCert::System));
     }
 
@@ -722,7 +728,7 @@ mod tests {
             ),
             ("host=h user=u sslrootcert='/ca.pem", "unterminated quote"),
         ] {
-            let e = parse_database_url(url).unwrap_err();
+            let e = parse(url).unwrap_err();
             assert_eq!(e.setting, "--database-url");
             let text = e.to_string();
             assert!(text.contains(want), "{url}: {text}");
@@ -773,15 +779,13 @@ mod tests {
                 "target_session_attrs=\"primary\" is not a valid target_session_attrs: write any, read-write or read-only",
             ),
         ] {
-            let e = parse_database_url(conn).unwrap_err();
+            let e = parse(conn).unwrap_err();
             assert_eq!(e.setting, "--database-url");
             let text = e.to_string();
             assert!(text.contains(want), "{conn}: {text}");
             assert!(!text.contains("secret"), "{conn}: {text}");
         }
-        let text = parse_database_url("postgres://u@h/db?foo=bar")
-            .unwrap_err()
-            .to_string();
+        let text = parse("postgres://u@h/db?foo=bar").unwrap_err().to_string();
         assert!(
             text.contains("remove it or fix its name")
                 && text.contains("application_name")

@@ -72,6 +72,9 @@ pub use crate::validation::{env_of, validate_identifier, ValidationError, FLAGS_
 /// [`crate::redaction::redact_url`], kept under this path for the settings' users.
 pub use crate::redaction::redact_url;
 
+/// The connection strings, one type per kind, shown only redacted.
+pub use crate::connection_url::{BrokerUrl, PgUrl};
+
 /// A deliberate crash for fault tests: the process aborts (like a SIGKILL) at a point that
 /// is hard to hit from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,7 +193,7 @@ mod tests {
     fn base() -> RunSettings {
         let settings = RunSettings {
             postgres: PostgresSettings {
-                database: parse_database_url("postgres://u@h/db").unwrap(),
+                database: parse_database_url(&"postgres://u@h/db".into()).unwrap(),
                 slot: DEFAULT_SLOT.into(),
                 publication: DEFAULT_PUBLICATION.into(),
                 schema: crate::outbox_schema::SchemaName::default(),

@@ -148,7 +148,7 @@ fn first_memory(config: &RunConfig) -> SessionMemory {
             nodes = %nodes
                 .urls
                 .iter()
-                .map(|u| crate::config::redact_url(u))
+                .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(", "),
             order = ?config.broker.amqp_url_order,

@@ -39,7 +39,7 @@ use crate::stream_publisher::{StreamConfig, StreamSink};
 #[derive(Debug, Default)]
 pub(super) struct BrokerNodes {
     /// The nodes' URLs, in the order they are tried.
-    pub urls: Vec<String>,
+    pub urls: Vec<crate::config::BrokerUrl>,
     /// Per partition, the node its next pass tries first (empty before the first session).
     next: Vec<usize>,
     /// Per node: a connection to it was lost and none completed since.
@@ -48,7 +48,7 @@ pub(super) struct BrokerNodes {
 
 impl BrokerNodes {
     /// `urls` in the order they are tried, none down.
-    pub fn new(urls: Vec<String>) -> Self {
+    pub fn new(urls: Vec<crate::config::BrokerUrl>) -> Self {
         let down = vec![false; urls.len()];
         BrokerNodes {
             urls,
@@ -163,7 +163,7 @@ impl SinkChoice {
             }
         };
         let publisher = PublisherConfig {
-            amqp_url: String::new(),
+            amqp_url: crate::config::BrokerUrl::default(),
             exchange: config.broker.exchange.clone(),
             declare: match config.broker.exchange_declare {
                 ExchangeDeclare::DurableTopic => Declare::DurableTopic,
@@ -313,7 +313,7 @@ async fn connect_amqp(
     let mut first_definite: Option<Error> = None;
     for i in nodes.pass(part) {
         publisher_config.amqp_url.clone_from(&nodes.urls[i]);
-        let url = crate::config::redact_url(&nodes.urls[i]);
+        let url = nodes.urls[i].to_string();
         match AmqpSink::connect(&publisher_config, encoder.clone()).await {
             Ok(sink) => {
                 tracing::info!(
@@ -366,8 +366,9 @@ async fn connect_stream(
     let mut first_retryable: Option<Error> = None;
     let mut first_definite: Option<Error> = None;
     for i in nodes.pass(0) {
-        config.url.clone_from(&nodes.urls[i]);
-        let url = crate::config::redact_url(&nodes.urls[i]);
+        // The stream publisher takes the text (its StreamConfig's Debug redacts it).
+        nodes.urls[i].expose_secret().clone_into(&mut config.url);
+        let url = nodes.urls[i].to_string();
         match StreamSink::connect(&config, encoder.clone()).await {
             Ok(sink) => {
                 tracing::info!(
@@ -412,7 +413,7 @@ mod tests {
     use super::*;
 
     fn nodes(n: usize) -> BrokerNodes {
-        BrokerNodes::new((0..n).map(|i| format!("amqp://node{i}")).collect())
+        BrokerNodes::new((0..n).map(|i| format!("amqp://node{i}").into()).collect())
     }
 
     #[test]

@@ -316,7 +316,7 @@ mod tests {
 
     #[test]
     fn connect_timeout_is_the_urls_or_ten_seconds() {
-        let timeout = |url: &str| connect_timeout(&parse_database_url(url).unwrap());
+        let timeout = |url: &str| connect_timeout(&parse_database_url(&url.into()).unwrap());
         assert_eq!(
             timeout("postgres://u@h/db?connect_timeout=3"),
             std::time::Duration::from_secs(3)
@@ -331,7 +331,7 @@ mod tests {
             DEFAULT_CONNECT_TIMEOUT
         );
         assert_eq!(
-            describe_target(&parse_database_url("postgres://u:secret@h:6543/db").unwrap()),
+            describe_target(&parse_database_url(&"postgres://u:secret@h:6543/db".into()).unwrap()),
             "PostgreSQL u@h:6543/db"
         );
     }

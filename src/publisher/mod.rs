@@ -89,7 +89,7 @@ pub struct PublisherConfig {
     /// `amqp://user:pass@host:port/vhost[?heartbeat=S&frame_max=BYTES]`, or `amqps://`
     /// with the TLS parameters of [`tls`] (`cacertfile=`, `certfile=`, `keyfile=`,
     /// `server_name_indication=`).
-    pub amqp_url: String,
+    pub amqp_url: crate::config::BrokerUrl,
     /// The durable topic exchange to publish to (declared if absent) when a message names
     /// none ([`Exchange::Configured`]).
     pub exchange: String,
@@ -105,7 +105,7 @@ pub struct PublisherConfig {
 impl std::fmt::Debug for PublisherConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PublisherConfig")
-            .field("amqp_url", &crate::config::redact_url(&self.amqp_url))
+            .field("amqp_url", &self.amqp_url)
             .field("exchange", &self.exchange)
             .field("declare", &self.declare)
             .field("connection_name", &self.connection_name)
@@ -208,9 +208,9 @@ impl<T> Publisher<T> {
     /// refuses the login or the vhost; [`Error::ConnectTimeout`]; [`Error::Connect`];
     /// [`Error::Declare`].
     pub async fn connect(config: &PublisherConfig) -> Result<Self, Error> {
-        let url = crate::config::redact_url(&config.amqp_url);
-        let endpoint =
-            Endpoint::parse(&config.amqp_url).map_err(|e| Error::Url(format!("{url}: {e}")))?;
+        let url = config.amqp_url.to_string();
+        let endpoint = Endpoint::parse(config.amqp_url.expose_secret())
+            .map_err(|e| Error::Url(format!("{url}: {e}")))?;
         let opened = tokio::time::timeout(
             CONNECT_TIMEOUT,
             connection::open(

@@ -78,7 +78,7 @@ async fn run_retries_a_silent_server_naming_the_timeout() {
 async fn replication_handshake_honours_connect_timeout() {
     let (_listener, port) = silent_listener();
     let url = format!("postgres://postgres@127.0.0.1:{port}/app?connect_timeout=1");
-    let config = pgoutbox::config::parse_database_url(&url).expect("url");
+    let config = pgoutbox::config::parse_database_url(&url.into()).expect("url");
     let began = Instant::now();
     let result = tokio::time::timeout(
         Duration::from_secs(30),

@@ -3,7 +3,7 @@
 //!
 //! | layer | what it holds | modules |
 //! | --- | --- | --- |
-//! | L0 pure data and codecs | bytes in, typed values out; names of the wire contract; no I/O | `lsn`, `pem`, `report`, `redaction`, `validation`, `contract`, `envelope`, `pgoutput`, `cloudevents`, `watermark`, `lockdown`, `routing`, `outbox_schema`, `partition` |
+//! | L0 pure data and codecs | bytes in, typed values out; names of the wire contract; no I/O | `lsn`, `pem`, `report`, `redaction`, `connection_url`, `validation`, `contract`, `envelope`, `pgoutput`, `cloudevents`, `watermark`, `lockdown`, `routing`, `outbox_schema`, `partition` |
 //! | L1 settings | plain data the transports read, never the reverse; metric names and the state they count | `config`, `secrets`, `metrics` |
 //! | L2 transports | the sessions to the servers: Postgres SQL and replication, RabbitMQ, the sink seam, the HTTP endpoint | `postgres`, `replication`, `publisher`, `stream_publisher`, `sink`, `metrics::http` |
 //! | L3 beside the pipeline | what `run`, the admin commands and `check` share; the consumer side | `stream_state`, `error`, `admin`, `check`, `inbox`, `topology` |
@@ -41,6 +41,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "item_length",
             "report",
             "redaction",
+            "connection_url",
             "validation",
             "contract",
             "envelope",

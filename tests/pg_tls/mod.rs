@@ -283,7 +283,7 @@ async fn a_wrong_name_a_wrong_ca_and_plaintext_are_refused_at_once_with_the_fix(
         (&wrong_ca, "did not verify against sslrootcert="),
         (&plaintext, "sslmode=disable connected in plaintext"),
     ] {
-        let config = parse_database_url(url).expect("url");
+        let config = parse_database_url(&url.as_str().into()).expect("url");
         let e = ReplicationConnection::connect(&config, "pgtls-refused")
             .await
             .expect_err(url);
@@ -299,7 +299,7 @@ async fn a_wrong_name_a_wrong_ca_and_plaintext_are_refused_at_once_with_the_fix(
 async fn sslmode_allow_retries_over_tls_when_the_server_refuses_plaintext() {
     let tls = TlsPostgres::shared();
     let config =
-        parse_database_url(&tls.url("127.0.0.1", "postgres", "sslmode=allow")).expect("url");
+        parse_database_url(&tls.url("127.0.0.1", "postgres", "sslmode=allow").into()).expect("url");
     let client = pgoutbox::postgres::connect(&config)
         .await
         .expect("allow, then TLS");
@@ -333,7 +333,7 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         "channel_binding=require",
         &verify_ca,
     ] {
-        let config = parse_database_url(&scram(&tls.pg, query)).expect("url");
+        let config = parse_database_url(&scram(&tls.pg, query).into()).expect("url");
         let client = pgoutbox::postgres::connect(&config)
             .await
             .unwrap_or_else(|e| panic!("{query}: {e}"));
@@ -360,7 +360,7 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         "{}?channel_binding=require",
         shared.url_as("pw_scram", "pw_scram", "postgres")
     );
-    let config = parse_database_url(&url).expect("url");
+    let config = parse_database_url(&url.into()).expect("url");
     let e = pgoutbox::error::Error::from(
         pgoutbox::postgres::connect(&config)
             .await
@@ -389,7 +389,7 @@ async fn channel_binding_require_binds_over_tls_and_fails_clearly_in_plaintext()
         "{}?sslmode=require",
         shared.url_as("pw_scram", "pw_scram", "postgres")
     );
-    let config = parse_database_url(&url).expect("url");
+    let config = parse_database_url(&url.into()).expect("url");
     let e = ReplicationConnection::connect(&config, "pgtls-cb")
         .await
         .expect_err("ssl = off");

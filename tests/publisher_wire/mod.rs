@@ -231,7 +231,7 @@ fn returned(code: u16, text: &str) -> PublishOutcome {
 
 fn publisher_config(fake: &FakeBroker) -> PublisherConfig {
     PublisherConfig {
-        amqp_url: fake.url(),
+        amqp_url: fake.url().into(),
         exchange: "pgoutbox_wire".into(),
         declare: pgoutbox::publisher::connection::Declare::DurableTopic,
         connection_name: "publisher_wire test".into(),

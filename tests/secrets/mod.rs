@@ -552,9 +552,10 @@ fn url_with_a_secret() -> impl proptest::strategy::Strategy<Value = String> {
 }
 
 /// Issue 32, item 1: thousands of generated connection strings carrying a secret, through
-/// every parser and error of a URL (`--database-url` and `--amqp-url`, as `run` and
-/// `check` validate them) and the redaction every shown URL goes through: the secret is in
-/// no error (Display and Debug) and in no parsed value's Debug. `PGOUTBOX_TEST_URL_CASES`
+/// the URL types (`PgUrl`, `BrokerUrl`: their Display and Debug), every parser and error of a
+/// URL (`--database-url` and `--amqp-url`, as `run` and `check` validate them) and the
+/// redaction every shown URL goes through: the secret is in no error (Display and Debug)
+/// and in no parsed value's Debug. `PGOUTBOX_TEST_URL_CASES`
 /// sets the number (default 5,000); the seed is printed on failure (proptest).
 #[test]
 fn generated_urls_never_show_their_secret() {
@@ -577,12 +578,23 @@ fn generated_urls_never_show_their_secret() {
             .map_err(|e| e.to_string())
     };
     let result = runner.run(&url_with_a_secret(), |url| {
-        let mut shown = vec![pgoutbox::config::redact_url(&url)];
-        match pgoutbox::config::parse_database_url(&url) {
+        let pg = pgoutbox::config::PgUrl::new(url.as_str());
+        let mut shown = vec![
+            pgoutbox::config::redact_url(&url),
+            pg.to_string(),
+            format!("{pg:?}"),
+        ];
+        match pgoutbox::config::parse_database_url(&pg) {
             Ok(config) => shown.push(format!("{config:?}")),
             Err(e) => shown.push(format!("{e} {e:?}")),
         }
-        let urls = pgoutbox::config::split_amqp_urls(std::slice::from_ref(&url));
+        let urls: Vec<pgoutbox::config::BrokerUrl> =
+            pgoutbox::config::split_amqp_urls(std::slice::from_ref(&url))
+                .into_iter()
+                .map(pgoutbox::config::BrokerUrl::new)
+                .collect();
+        shown.push(format!("{urls:?}"));
+        shown.extend(urls.iter().map(ToString::to_string));
         if let Err(e) = pgoutbox::config::validate_amqp_urls(&urls, &amqp_check) {
             shown.push(format!("{e} {e:?}"));
         }
