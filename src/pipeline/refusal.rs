@@ -19,6 +19,11 @@
 //!    at a time until its watermark passes the last of them, so a close there has one
 //!    culprit (case 2).
 //!
+//! A close that refuses a routing key by topic permissions (`403 ACCESS_REFUSED - access to
+//! topic 'KEY' in exchange 'X' ...`) names an exchange but is about the message: it is a
+//! culprit or an isolation (cases 2 and 3), even on the configured `--exchange`, so one
+//! message with a forbidden key no longer stops the whole outbox.
+//!
 //! The configured `--exchange` is never learned (it would dead-letter the whole outbox): a
 //! close that names it, a 404 (an exchange deleted after it was declared: the next session
 //! declares it again), or a close of the connection rather than the channel teaches
@@ -59,8 +64,14 @@ pub(super) struct Refusals {
     isolate_until: Option<Lsn>,
 }
 
-/// The exchange a close text names: `... exchange 'NAME' in vhost ...`.
+/// The exchange a close text names: `... exchange 'NAME' in vhost ...`, unless the close
+/// refuses a routing key rather than the exchange (RabbitMQ's topic permissions: `access to
+/// topic 'KEY' in exchange 'NAME' in vhost ... refused`): that one is about the message, and
+/// is found like a close that names nothing.
 fn named_exchange(text: &str) -> Option<&str> {
+    if text.contains("access to topic '") {
+        return None;
+    }
     const OPEN: &str = "exchange '";
     let at = text.find(OPEN)? + OPEN.len();
     let len = text[at..].find("' in vhost")?;
@@ -160,6 +171,30 @@ mod tests {
             Some(Lesson::Exchange("int".into()))
         );
         assert!(!r.isolating(Lsn(0)), "no isolation for a named exchange");
+    }
+
+    /// Issue 32 item 4: a topic permission refuses one routing key, on the configured
+    /// exchange or another: the message is found (isolation, then the culprit), never the
+    /// exchange learned or the close ignored.
+    #[test]
+    fn a_topic_permission_close_is_about_the_message() {
+        let text = "403 ACCESS_REFUSED - access to topic 'bad.3' in exchange 'events' in vhost '/' refused for user 'u'";
+        let mut r = Refusals::default();
+        assert_eq!(
+            r.learn(&closed(text), "events", &[Lsn(1), Lsn(2), Lsn(3)]),
+            Some(Lesson::Isolate(Lsn(3)))
+        );
+        assert!(r.isolating(Lsn(2)));
+        assert_eq!(
+            r.learn(&closed(text), "events", &[Lsn(2)]),
+            Some(Lesson::Culprit(Lsn(2)))
+        );
+        let other = text.replace("'events'", "'billing'");
+        assert_eq!(
+            r.learn(&closed(&other), "events", &[Lsn(5)]),
+            Some(Lesson::Culprit(Lsn(5)))
+        );
+        assert!(r.refused_exchange("billing").is_none());
     }
 
     /// Issue 31 item 1: a partition's close once reached the loop as text prefixed with

@@ -408,3 +408,78 @@ async fn a_publish_to_an_internal_exchange_is_dead_lettered_with_the_403() {
     );
     println!("dead letter: {dl:?}");
 }
+
+/// Issue 32 item 4, the isolation path end to end: RabbitMQ's topic permissions refuse one
+/// routing key on the configured exchange (`set_topic_permissions guest X '^ok\.'`), so a
+/// publish with another key closes the channel with 403 ACCESS_REFUSED "write access to
+/// topic 'bad.3' in exchange 'X' ..." while the publishes around it are unsettled. The next
+/// session publishes one message at a time until it is past them, finds the culprit alone
+/// in flight at the next close, and dead-letters it as `publish_refused` with the broker's
+/// text; the other messages arrive and the slot moves past them all. (A real 406 on a
+/// publish takes the size path, `too_large`, whenever pgoutbox's own checks let a message
+/// through; this close is the per-message refusal RabbitMQ 3.10 has.) A private node, so the
+/// permission touches no other test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_key_refused_by_topic_permissions_is_isolated_and_dead_lettered() {
+    let rmq = RabbitMq::start_private();
+    let url = rmq.url();
+    let ob = Outbox::new(Postgres::shared(), &url, "routing_topic_perm").await;
+    rmq.ctl_ok(&[
+        "set_topic_permissions",
+        "-p",
+        "/",
+        "guest",
+        &ob.exchange,
+        "^ok\\.",
+        ".*",
+    ]);
+    // A backlog in one burst, so several publishes are unsettled when the close comes.
+    let mut sql = String::from("BEGIN;");
+    for (topic, id) in [
+        ("ok.1", "k1"),
+        ("ok.2", "k2"),
+        ("bad.3", "k3"),
+        ("ok.4", "k4"),
+        ("ok.5", "k5"),
+    ] {
+        sql.push_str(&emit(topic, id, None));
+    }
+    sql.push_str("COMMIT;");
+    ob.sql(&sql);
+    let last = ob.sql(&emit("ok.6", "k6", None)).trim().to_owned();
+    let s = ob.run(&[]);
+    started(&s).await;
+    let dl = wait_dead_letters(&ob, 1).await;
+    assert_eq!(
+        dl.iter()
+            .map(|d| (d.0.as_str(), d.1.as_str()))
+            .collect::<Vec<_>>(),
+        [("k3", "publish_refused")],
+        "{dl:?}\n{}",
+        s.log()
+    );
+    assert!(
+        dl[0].2.contains("403") && dl[0].2.contains("topic 'bad.3'"),
+        "the broker's code and text: {dl:?}"
+    );
+    assert!(
+        wait_flushed_past(&ob, &last).await,
+        "slot did not advance:\n{}",
+        s.log()
+    );
+    let mut got = ids(&ob.drain(20, scaled(Duration::from_secs(2))).await);
+    got.sort();
+    got.dedup();
+    assert_eq!(got, ["k1", "k2", "k4", "k5", "k6"], "{}", s.log());
+    let log = s.log();
+    let isolated = log
+        .lines()
+        .find(|l| l.contains("publishing them one at a time to find it"))
+        .unwrap_or_else(|| panic!("no isolation: several were unconfirmed at the close:\n{log}"));
+    assert!(
+        log.contains("closed the channel over the one unconfirmed message"),
+        "the culprit alone in flight at the next close:\n{log}"
+    );
+    println!("isolation: {isolated}\ndead letter: {dl:?}");
+    s.stop_ok(scaled(Duration::from_secs(30))).await;
+}
