@@ -119,6 +119,20 @@ async fn messages_arrive_once_with_the_properties_and_headers_of_the_exchange_pa
     );
     assert_eq!(order_inversions(&got), 0);
     assert_eq!(got[2].subject.as_deref(), Some("orders.shipped"));
+    let own = support::stream_reader::read_stream_own(
+        rmq.stream_port(),
+        &stream,
+        scaled(Duration::from_secs(5)),
+    )
+    .await;
+    let own_ids: Vec<_> = own
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(own_ids, ["m-1", "m-2", "m-3"], "our own reader");
+    assert_eq!(own[0].subject.as_deref(), Some("orders.created"));
+    assert_eq!(own[0].strings.get("h").map(String::as_str), Some("v"));
+    assert_eq!(own[0].body, got[0].body);
 
     // A restart sends nothing again: the broker's stored id covers every message.
     streamer.stop_ok(scaled(Duration::from_secs(30))).await;
@@ -354,6 +368,28 @@ async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit
         logs.push_str(&p.log());
     }
     let got = read_all(rmq, &stream, scaled(Duration::from_secs(10))).await;
+    // Our own reader sees the same entries, in the same order, with the same bytes.
+    let own = support::stream_reader::read_stream_own(
+        rmq.stream_port(),
+        &stream,
+        scaled(Duration::from_secs(10)),
+    )
+    .await;
+    assert_eq!(
+        own.len(),
+        got.len(),
+        "our reader and rstream disagree on the length"
+    );
+    for (o, r) in own.iter().zip(&got) {
+        assert_eq!(
+            (o.offset, &o.message_id, &o.body),
+            (r.offset, &r.message_id, &r.body)
+        );
+        assert_eq!(
+            o.strings.get("x-pgoutbox-commit-lsn").map(String::as_str),
+            r.app_str("x-pgoutbox-commit-lsn")
+        );
+    }
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     for m in &got {
         *seen

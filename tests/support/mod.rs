@@ -40,6 +40,7 @@ pub mod postgres;
 pub mod proxy;
 pub mod rabbit;
 pub mod stream;
+pub mod stream_reader;
 pub mod streamer;
 pub mod tls;
 
