@@ -619,6 +619,8 @@ pub struct StreamSink {
     skipped: u64,
     /// Publishes sent since connecting.
     published: u64,
+    /// The warning that the ids' WAL limit is near was logged (once per connection).
+    warned_limit: bool,
     state: State,
     signals: BrokerSignals,
     counters: Option<crate::metrics::counters::StreamCounters>,
@@ -692,6 +694,7 @@ impl StreamSink {
             last_id: 0,
             skipped: 0,
             published: 0,
+            warned_limit: false,
             state: State::Open,
             signals: config.signals.clone(),
             counters: config.counters.clone(),
@@ -1032,6 +1035,14 @@ impl Sink for StreamSink {
         }
         let id = ids::publishing_id(delivery.commit_lsn, delivery.index_in_txn)
             .map_err(|e| SinkError::Violated(e.to_string()))?;
+        if delivery.commit_lsn.0 >= ids::LSN_WARNING && !self.warned_limit {
+            self.warned_limit = true;
+            tracing::warn!(
+                commit_lsn = %delivery.commit_lsn,
+                limit = %crate::lsn::Lsn(ids::LSN_LIMIT),
+                "the WAL is past half of what stream publishing ids can represent: at the limit run stops; plan a new --stream-producer-name at a moment when nothing is in flight (docs/src/internals/stream-ids.md)"
+            );
+        }
         if id <= self.last_id {
             return Err(SinkError::Violated(format!(
                 "publishing id {id} (commit LSN {}, index {}) does not increase past {}: pgoutbox never sends an id at or below one it sent, the broker would drop it; please report this",

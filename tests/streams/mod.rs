@@ -623,3 +623,34 @@ async fn a_deleted_stream_ends_the_session_and_run_goes_on_into_the_new_one() {
         .collect();
     assert_eq!(ids, ["d-2"], "{}", streamer.log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_attributes_are_application_properties_in_the_stream() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_ce").await;
+    let stream = support::unique("stream_ce");
+    let streamer = run_stream(&ob, rmq, &stream, "ce-a", &["--cloudevents"]);
+    ob.sql("SELECT outbox.emit('orders.created', '{\"n\": 1}', '{}', 'ce-1', aggregate_id => 'order-42')");
+    ob.sql("SELECT outbox.emit_bytes('files.stored', '\\x00ff'::bytea, 'application/x-thing')");
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    assert_eq!(got.len(), 2, "{got:#?}");
+    let source = format!("pgoutbox:///{}/{}", ob.db, ob.slot);
+    let m = &got[0];
+    assert_eq!(m.app_str("cloudEvents_specversion"), Some("1.0"), "{m:#?}");
+    assert_eq!(m.app_str("cloudEvents_id"), Some("ce-1"));
+    assert_eq!(m.app_str("cloudEvents_type"), Some("orders.created"));
+    assert_eq!(m.app_str("cloudEvents_source"), Some(source.as_str()));
+    assert_eq!(m.app_str("cloudEvents_subject"), Some("order-42"));
+    assert!(m.app_str("cloudEvents_time").is_some());
+    // Binary payloads stay byte-exact, with their content type.
+    assert_eq!(got[1].body, b"\x00\xff");
+    assert_eq!(got[1].content_type.as_deref(), Some("application/x-thing"));
+}
