@@ -82,20 +82,28 @@ pub enum Failpoint {
     /// Abort as soon as this many messages were confirmed by the broker, before any standby
     /// status update could report them.
     AbortAfterConfirms(u64),
+    /// Once this many messages were confirmed, the event loop stops turning (it awaits a
+    /// future that never completes) while the rest of the process, the HTTP endpoint
+    /// included, goes on: a wedged loop, which `/healthz` must report.
+    StallAfterConfirms(u64),
 }
 
 impl std::str::FromStr for Failpoint {
     type Err = String;
 
-    /// Parses `abort-after-confirms=N`.
+    /// Parses `abort-after-confirms=N` or `stall-after-confirms=N`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.split_once('=') {
             Some(("abort-after-confirms", n)) => n
                 .parse()
                 .map(Failpoint::AbortAfterConfirms)
                 .map_err(|_| format!("invalid count in failpoint {s:?}")),
+            Some(("stall-after-confirms", n)) => n
+                .parse()
+                .map(Failpoint::StallAfterConfirms)
+                .map_err(|_| format!("invalid count in failpoint {s:?}")),
             _ => Err(format!(
-                "unknown failpoint {s:?}; known: abort-after-confirms=N"
+                "unknown failpoint {s:?}; known: abort-after-confirms=N, stall-after-confirms=N"
             )),
         }
     }

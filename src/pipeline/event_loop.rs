@@ -330,6 +330,7 @@ impl Core {
         let mut buffered = true;
         self.send_status(StatusUpdateKind::Periodic).await?;
         loop {
+            self.stall_if_asked().await;
             if drain.is_none() {
                 if let Err(e) = self.handle_buffered(sink, &mut buffered).await {
                     drain = self.on_error(e)?;
@@ -656,6 +657,21 @@ impl Core {
         let error = Error::BrokerLost(failure.to_string());
         self.sink_failure = Some(failure);
         Err(error)
+    }
+
+    /// `--failpoint stall-after-confirms=N` (tests only): once N messages were confirmed, the
+    /// loop stops turning for good, so it beats no more while the HTTP endpoint goes on
+    /// answering (`/healthz` turns 503 after [`crate::metrics::HEALTH_STALE_AFTER`]).
+    async fn stall_if_asked(&self) {
+        if let Some(crate::config::Failpoint::StallAfterConfirms(n)) = self.config.failpoint {
+            if self.summary.confirmed >= n {
+                tracing::warn!(
+                    confirmed = self.summary.confirmed,
+                    "failpoint stall-after-confirms: the event loop stops turning"
+                );
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// A close of the publishing channel over something other than size: what it teaches

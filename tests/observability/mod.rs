@@ -907,7 +907,8 @@ async fn gauges_stay_true_while_postgres_is_unreachable() {
 /// [`pgoutbox::metrics::HEALTH_STALE_AFTER`], and 200 again at the next beat.
 ///
 /// In-process, on the real HTTP endpoint (`metrics::http::serve`) with a [`Telemetry`] that
-/// nothing beats: the binary cannot be brought there from outside. `run`'s runtime is
+/// nothing beats: the binary cannot be brought there from outside (from the binary, with a
+/// test hook: `healthz_answers_503_from_the_binary_when_its_loop_stops_turning`). `run`'s runtime is
 /// current-thread, so a busy loop silences the HTTP task too (a probe times out), and every
 /// await of the loop is bounded or raced in its `select!` except the write of a standby
 /// status update, which a peer that stops reading cannot block with 34-byte updates; the
@@ -968,6 +969,75 @@ async fn healthz_turns_unhealthy_when_nothing_beats_and_back() {
     assert_eq!(json["status"], "ok", "{json}");
     assert!(json["reason"].is_null(), "{json}");
     server.abort();
+}
+
+/// Issue 32 item 4: `/healthz` answers 503 from the binary, not only in-process. `run` with
+/// `--failpoint stall-after-confirms=3` (a test hook: once 3 messages are confirmed, the
+/// event loop awaits a future that never completes, as a wedged loop would, while the HTTP
+/// task on the same runtime goes on) answers 200 while it streams and 503
+/// `loop_not_turning` once no beat came for [`pgoutbox::metrics::HEALTH_STALE_AFTER`] (30 s),
+/// with `since_last_turn_ms` at or above it; `/metrics` is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_answers_503_from_the_binary_when_its_loop_stops_turning() {
+    use pgoutbox::metrics::HEALTH_STALE_AFTER;
+    let ob = Outbox::new(Postgres::shared(), &RabbitMq::shared().url(), "obs_wedged").await;
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let streamer = ob.run(&[
+        "--http-addr",
+        &addr,
+        "--failpoint",
+        "stall-after-confirms=3",
+    ]);
+    wait_ready(port, &streamer, scaled(Duration::from_secs(30))).await;
+    assert_healthy(port, &streamer);
+    for i in 1..=5 {
+        ob.emit("t", &format!("wedge-{i}"));
+    }
+    assert!(
+        streamer
+            .wait_for_log(
+                "failpoint stall-after-confirms",
+                scaled(Duration::from_secs(30))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    let stale_ms = HEALTH_STALE_AFTER.as_millis() as u64;
+    let began = std::time::Instant::now();
+    let mut answer = None;
+    while began.elapsed() < HEALTH_STALE_AFTER + scaled(Duration::from_secs(30)) {
+        let (code, body) = tokio::task::spawn_blocking(move || get(port, "/healthz"))
+            .await
+            .expect("join")
+            .unwrap_or_else(|| panic!("/healthz does not answer:\n{}", streamer.log()));
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        let since = json["since_last_turn_ms"]
+            .as_u64()
+            .expect("since_last_turn_ms");
+        if since < stale_ms {
+            assert_eq!(code, 200, "{json}");
+        } else {
+            answer = Some((code, json));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (code, json) =
+        answer.unwrap_or_else(|| panic!("/healthz never went stale:\n{}", streamer.log()));
+    eprintln!(
+        "/healthz from the binary, {:?} after the stall: {code} {json}",
+        began.elapsed()
+    );
+    assert_eq!(code, 503, "{json}");
+    assert_eq!(json["status"], "unhealthy", "{json}");
+    assert_eq!(json["reason"], "loop_not_turning", "{json}");
+    let metrics = tokio::task::spawn_blocking(move || get(port, "/metrics"))
+        .await
+        .expect("join");
+    assert!(matches!(metrics, Some((200, _))), "/metrics: {metrics:?}");
+    streamer.kill9();
 }
 
 /// Issue 21 item 11: the settling counters, read from `/metrics`. Through one exchange: two
