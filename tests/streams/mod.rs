@@ -654,3 +654,55 @@ async fn cloudevents_attributes_are_application_properties_in_the_stream() {
     assert_eq!(got[1].body, b"\x00\xff");
     assert_eq!(got[1].content_type.as_deref(), Some("application/x-thing"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_over_tls_verify_the_broker_and_refuse_an_unknown_ca() {
+    let pg = Postgres::shared();
+    let tls = support::TlsRabbit::shared();
+    let ob = Outbox::new_without_queue(pg, &tls.rabbit.url(), "stream_tls").await;
+    let stream = support::unique("stream_tls");
+    // Without the test CA, the system store does not know the broker's certificate.
+    let (code, out) = pgoutbox(
+        &ob,
+        &[
+            "check",
+            "--stream-url",
+            &tls.stream_tls_url(""),
+            "--stream",
+            &stream,
+        ],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("certificate"), "{out}");
+    let url = tls.stream_tls_url(&tls.cacertfile());
+    let args: Vec<String> = vec![
+        "run".into(),
+        "--database-url".into(),
+        ob.streamer_url(),
+        "--stream-url".into(),
+        url.clone(),
+        "--stream".into(),
+        stream.clone(),
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+        "--http-addr".into(),
+        "off".into(),
+    ];
+    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let last = ob.emit("t.tls", "tls-1");
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        "{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let got = tokio::task::spawn_blocking(move || {
+        support::read_stream_url(&url, &stream, 1, scaled(Duration::from_secs(30)))
+    })
+    .await
+    .unwrap();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].message_id.as_deref(), Some("tls-1"));
+}
