@@ -706,3 +706,124 @@ async fn streams_over_tls_verify_the_broker_and_refuse_an_unknown_ca() {
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].message_id.as_deref(), Some("tls-1"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_that_stops_under_the_publisher_loses_and_duplicates_nothing() {
+    let target = support::scaled_count(3_000);
+    let pg = Postgres::shared();
+    let cluster: &'static support::cluster::RabbitCluster =
+        Box::leak(Box::new(support::cluster::RabbitCluster::start(3)));
+    let ob = Outbox::new_without_queue(pg, &cluster.nodes[0].url(), "stream_cluster").await;
+    ob.sql("CREATE TABLE audit (message_id text PRIMARY KEY)");
+    let stream = support::unique("stream_cluster");
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--database-url".into(),
+        ob.streamer_url(),
+        "--stream".into(),
+        stream.clone(),
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+        "--http-addr".into(),
+        "off".into(),
+    ];
+    for url in cluster.stream_urls() {
+        args.extend(["--stream-url".into(), url]);
+    }
+    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let committed = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let producers: Vec<_> = (0..2)
+        .map(|p| {
+            tokio::spawn(producer(
+                ob.url(),
+                p,
+                target,
+                committed.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    let reach = |n: usize| {
+        let committed = committed.clone();
+        async move {
+            support::wait_until(scaled(Duration::from_secs(120)), || {
+                let c = committed.load(Ordering::SeqCst);
+                async move { c >= n }
+            })
+            .await
+        }
+    };
+    assert!(reach(target / 3).await, "producers stalled");
+    // The node run is connected to (the first URL) goes away under it.
+    eprintln!(
+        "stream cluster: stopping node 1 at {}",
+        committed.load(Ordering::SeqCst)
+    );
+    let node = &cluster.nodes[0];
+    tokio::task::spawn_blocking(move || node.stop_app())
+        .await
+        .unwrap();
+    assert!(
+        streamer
+            .wait_for_log(
+                "connected to the RabbitMQ stream node=",
+                scaled(Duration::from_secs(5))
+            )
+            .await
+    );
+    assert!(reach(2 * target / 3).await, "producers stalled");
+    tokio::task::spawn_blocking(move || node.start_app())
+        .await
+        .unwrap();
+    for p in producers {
+        p.await.expect("producer");
+    }
+    stop.store(true, Ordering::SeqCst);
+    assert!(
+        ob.settled_through_now(scaled(Duration::from_secs(180)))
+            .await,
+        "the slot never passed the last commit:\n{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let log = streamer.log();
+    let reconnected = log.matches("connected to the RabbitMQ stream").count();
+    let url = cluster.stream_urls()[1].clone();
+    let read_from = stream.clone();
+    let got = tokio::task::spawn_blocking(move || {
+        support::read_stream_url(
+            &url,
+            &read_from,
+            usize::MAX,
+            scaled(Duration::from_secs(10)),
+        )
+    })
+    .await
+    .unwrap();
+    let audit: HashSet<String> = ob
+        .sql("SELECT message_id FROM audit")
+        .lines()
+        .map(|l| l.trim().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for m in &got {
+        *seen
+            .entry(m.message_id.clone().unwrap_or_default())
+            .or_default() += 1;
+    }
+    let lost = audit.iter().filter(|id| !seen.contains_key(*id)).count();
+    let duplicates = seen.values().filter(|n| **n > 1).count();
+    let inversions = order_inversions(&got);
+    eprintln!(
+        "stream cluster: {} committed, {} in the stream, {reconnected} connects, {lost} lost, {duplicates} duplicates, {inversions} inversions",
+        audit.len(),
+        got.len()
+    );
+    assert!(reconnected >= 2, "run never reconnected:\n{log}");
+    assert_eq!((lost, duplicates, inversions), (0, 0, 0), "{log}");
+    assert_eq!(got.len(), audit.len());
+}
