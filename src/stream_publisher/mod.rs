@@ -468,6 +468,8 @@ async fn create_stream(
         }
         code::STREAM_ALREADY_EXISTS => Ok(()),
         code::ACCESS_REFUSED => Err(hs.refused("creating the stream", c0, fix_for(c0, vhost))),
+        // Created meanwhile by someone else, with other arguments: use it.
+        code::PRECONDITION_FAILED if stream_exists(hs, stream).await? => Ok(()),
         code::PRECONDITION_FAILED => Err(hs.refused(
             "creating the stream",
             c0,
@@ -503,14 +505,17 @@ async fn handshake(config: &StreamConfig) -> Result<Opened, Error> {
         vhost,
     } = open_session(&config.url, &config.connection_name).await?;
     let stream = config.stream.as_str();
-    match &config.create {
-        Some(arguments) => create_stream(&mut hs, stream, arguments, &vhost).await?,
-        None => {
-            if !stream_exists(&mut hs, stream).await? {
+    // Created only when missing: a stream that exists is used as it is, whatever its
+    // arguments (a Create with other arguments than the stream's is refused as
+    // inequivalent, so `run` restarted with other --stream-max-* would otherwise stop).
+    if !stream_exists(&mut hs, stream).await? {
+        match &config.create {
+            Some(arguments) => create_stream(&mut hs, stream, arguments, &vhost).await?,
+            None => {
                 return Err(Error::StreamMissing {
                     url: hs.url.clone(),
                     stream: stream.to_owned(),
-                });
+                })
             }
         }
     }

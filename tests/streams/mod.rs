@@ -70,7 +70,18 @@ async fn messages_arrive_once_with_the_properties_and_headers_of_the_exchange_pa
     let rmq = RabbitMq::shared();
     let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_shape").await;
     let stream = support::unique("stream_shape");
-    let streamer = run_stream(&ob, rmq, &stream, "shape-a", &[]);
+    let streamer = run_stream(
+        &ob,
+        rmq,
+        &stream,
+        "shape-a",
+        &[
+            "--stream-max-age",
+            "7D",
+            "--stream-max-length-bytes",
+            "100000000",
+        ],
+    );
     ob.sql(
         "BEGIN; \
          SELECT outbox.emit('orders.created', '{\"n\": 1, \"s\": \"é\"}', '{\"h\": \"v\", \"k\": 7}', 'm-1', \
@@ -119,6 +130,16 @@ async fn messages_arrive_once_with_the_properties_and_headers_of_the_exchange_pa
     );
     assert_eq!(order_inversions(&got), 0);
     assert_eq!(got[2].subject.as_deref(), Some("orders.shipped"));
+    // run created the stream with the arguments it was given.
+    let queues = rmq.ctl_ok(&["list_queues", "name", "type", "arguments"]);
+    let line = queues
+        .lines()
+        .find(|l| l.starts_with(&stream))
+        .unwrap_or_else(|| panic!("no {stream} in {queues}"));
+    assert!(
+        line.contains("stream") && line.contains("7D") && line.contains("100000000"),
+        "{line}"
+    );
     let own = support::stream_reader::read_stream_own(
         rmq.stream_port(),
         &stream,
