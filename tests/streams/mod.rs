@@ -848,3 +848,66 @@ async fn a_cluster_node_that_stops_under_the_publisher_loses_and_duplicates_noth
     assert_eq!((lost, duplicates, inversions), (0, 0, 0), "{log}");
     assert_eq!(got.len(), audit.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ahead_of_the_wal_is_a_gap_and_accept_gap_starts_a_new_producer_name() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_ahead").await;
+    let stream = support::unique("stream_ahead");
+    support::declare_stream(&rmq.url(), &stream, &[]).await;
+    // The stream holds an id of our producer name from a commit far beyond this server's
+    // WAL: what a stream written before a restore to an earlier point looks like.
+    let producer = format!("pgoutbox-{}", ob.slot);
+    let beyond: u64 = (0x7_0000_0000_0000u64 >> 3) << 16;
+    let url = rmq.stream_url();
+    let (s, p) = (stream.clone(), producer.clone());
+    tokio::task::spawn_blocking(move || {
+        let m = support::StreamPublish {
+            body: b"from another history".to_vec(),
+            message_id: Some("old".into()),
+            publishing_id: Some(beyond),
+            ..Default::default()
+        };
+        support::publish_stream(&url, &s, Some(&p), &[m])
+    })
+    .await
+    .unwrap();
+    let last = ob.emit("t.ahead", "a-1");
+
+    let refused = run_stream(&ob, rmq, &stream, "ahead-a", &[]);
+    let exit = refused.wait_exit(scaled(Duration::from_secs(60))).await;
+    let log = refused.log();
+    assert_eq!(exit.and_then(|s| s.code()), Some(1), "{log}");
+    assert!(
+        log.contains(&format!(
+            "holds messages of producer \"{producer}\" from commits up to 70000/0"
+        )) && log.contains("--accept-gap starts a new producer name"),
+        "{log}"
+    );
+    assert!(
+        ob.not_acknowledged(last),
+        "the refusal acknowledged something"
+    );
+
+    let accepted = run_stream(&ob, rmq, &stream, "ahead-b", &["--accept-gap"]);
+    assert!(
+        ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
+        "{}",
+        accepted.log()
+    );
+    accepted.stop_ok(scaled(Duration::from_secs(30))).await;
+    let log = accepted.log();
+    assert!(log.contains(&format!("producer={producer}-g1")), "{log}");
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    let ids: Vec<_> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["old", "a-1"], "{log}");
+    let recorded = ob.sql(&format!(
+        "SELECT accepted_gaps::text FROM outbox.stream_state WHERE slot_name = '{}'",
+        ob.slot
+    ));
+    assert!(recorded.contains("stream_ahead_of_wal"), "{recorded}");
+}
