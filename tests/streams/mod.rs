@@ -911,3 +911,66 @@ async fn a_stream_ahead_of_the_wal_is_a_gap_and_accept_gap_starts_a_new_producer
     ));
     assert!(recorded.contains("stream_ahead_of_wal"), "{recorded}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_node_is_left_after_two_heartbeats_and_nothing_is_lost() {
+    let pg = Postgres::shared();
+    let rmq = RabbitMq::shared();
+    let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_heartbeat").await;
+    let stream = support::unique("stream_heartbeat");
+    let proxy = support::Proxy::start(rmq.stream_port());
+    let url = format!(
+        "rabbitmq-stream://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",
+        proxy.port()
+    );
+    let args: Vec<String> = vec![
+        "run".into(),
+        "--database-url".into(),
+        ob.streamer_url(),
+        "--stream-url".into(),
+        url,
+        "--stream".into(),
+        stream.clone(),
+        "--slot".into(),
+        ob.slot.clone(),
+        "--publication".into(),
+        ob.publication.clone(),
+        "--http-addr".into(),
+        "off".into(),
+    ];
+    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let first = ob.emit("t.hb", "h-1");
+    assert!(
+        ob.flushed_past(first, scaled(Duration::from_secs(60)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    // The node goes silent (a black hole): no frame, no heartbeat.
+    proxy.stall();
+    let second = ob.emit("t.hb", "h-2");
+    assert!(
+        streamer
+            .wait_for_log(
+                "no frame and no heartbeat from the RabbitMQ stream node",
+                scaled(Duration::from_secs(60))
+            )
+            .await,
+        "{}",
+        streamer.log()
+    );
+    proxy.pass();
+    assert!(
+        ob.flushed_past(second, scaled(Duration::from_secs(90)))
+            .await,
+        "{}",
+        streamer.log()
+    );
+    streamer.stop_ok(scaled(Duration::from_secs(30))).await;
+    let got = read_all(rmq, &stream, scaled(Duration::from_secs(5))).await;
+    let ids: Vec<_> = got
+        .iter()
+        .map(|m| m.message_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(ids, ["h-1", "h-2"], "{}", streamer.log());
+}
