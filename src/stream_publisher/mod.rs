@@ -1218,6 +1218,22 @@ mod tests {
                             r
                         }
                         frames::CREATE | frames::DECLARE_PUBLISHER => ok(key, corr(), &[]),
+                        frames::METADATA => {
+                            // No response code: brokers, then streams (ours exists).
+                            let mut b = corr().to_be_bytes().to_vec();
+                            b.extend_from_slice(&1i32.to_be_bytes());
+                            b.extend_from_slice(&0u16.to_be_bytes());
+                            b.extend_from_slice(&1i16.to_be_bytes());
+                            b.push(b'h');
+                            b.extend_from_slice(&5552u32.to_be_bytes());
+                            b.extend_from_slice(&1i32.to_be_bytes());
+                            b.extend_from_slice(&1i16.to_be_bytes());
+                            b.push(b's');
+                            b.extend_from_slice(&code::OK.to_be_bytes());
+                            b.extend_from_slice(&0u16.to_be_bytes());
+                            b.extend_from_slice(&0i32.to_be_bytes());
+                            frame(key | frames::RESPONSE, &b)
+                        }
                         frames::QUERY_PUBLISHER_SEQUENCE => ok(key, corr(), &stored.to_be_bytes()),
                         frames::PUBLISH => {
                             let count = u32::from_be_bytes([f[9], f[10], f[11], f[12]]);
