@@ -5,7 +5,9 @@
 #
 #   deploy/stack.sh install          install postgresql + rabbitmq-server (apt) if missing
 #   deploy/stack.sh start DIR        start both, write DIR/env (source-able), print it
-#                                    (PGOUTBOX_STACK_PLUGINS=a,b: RabbitMQ plugins on from boot)
+#                                    (PGOUTBOX_STACK_PLUGINS=a,b: RabbitMQ plugins on from boot;
+#                                    with rabbitmq_stream, a stream listener on a free port too:
+#                                    RABBITMQ_STREAM_PORT in DIR/env)
 #   deploy/stack.sh stop DIR         stop both, leave nothing running
 #   deploy/stack.sh ctl DIR ARGS...  run rabbitmqctl against DIR's node
 #   deploy/stack.sh plugins DIR ARGS...
@@ -204,6 +206,16 @@ start_rabbit() {
     # e.g. rabbitmq_consistent_hash_exchange); later, `stack.sh plugins DIR enable NAME`.
     echo "[${PGOUTBOX_STACK_PLUGINS:-}]." >"$r/enabled_plugins"
     : >"$r/rabbitmq-env.conf"
+    # The stream plugin listens on a port of its own (5552 by default, which may be taken):
+    # a free one, and what its Metadata answers name as this node's address. Only with the
+    # plugin: without it these keys are unknown and the node refuses to boot.
+    local stream=0 stream_conf=""
+    if [[ ",${PGOUTBOX_STACK_PLUGINS:-}," == *,rabbitmq_stream,* ]]; then
+        stream=$(free_port "$amqp" "$dist" "$epmd" "$ctl")
+        stream_conf="stream.listeners.tcp.1 = 127.0.0.1:$stream
+stream.advertised_host = 127.0.0.1
+stream.advertised_port = $stream"
+    fi
     # cluster_name: the node's own name (RabbitMQ's default would put the machine's host name
     # in it, not localhost), which `pgoutbox declare-topology` reads to name this node in the
     # command that enables a plugin.
@@ -213,6 +225,7 @@ cluster_name = $name
 loopback_users.guest = true
 log.file.level = info
 log.console = false
+$stream_conf
 EOF
     cat >"$r/ports" <<EOF
 RABBIT_BIN_DIR=$bin
@@ -222,6 +235,7 @@ DIST_PORT=$dist
 EPMD_PORT=$epmd
 CTL_PORT_MIN=$ctl
 CTL_PORT_MAX=$((ctl + 10))
+STREAM_PORT=$stream
 EOF
     (
         rabbit_env "$dir"
@@ -236,6 +250,10 @@ EOF
     fi
     (rabbit_env "$dir"; "$bin/rabbitmqctl" -q await_startup --timeout 60 >/dev/null) \
         || die "rabbitmq did not finish startup"
+    if [[ $stream -ne 0 ]] && ! wait_tcp "$stream" 60; then
+        tail -50 "$r/server.out" >&2 || true
+        die "rabbitmq did not open the stream port $stream"
+    fi
 }
 
 stop_rabbit() {
@@ -277,6 +295,9 @@ RABBITMQ_AMQP_PORT=$AMQP_PORT
 RABBITMQ_DIST_PORT=$DIST_PORT
 RABBITMQ_EPMD_PORT=$EPMD_PORT
 EOF
+    if [[ ${STREAM_PORT:-0} -ne 0 ]]; then
+        echo "RABBITMQ_STREAM_PORT=$STREAM_PORT" >>"$dir/env"
+    fi
 }
 
 cmd_start() {

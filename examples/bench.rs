@@ -11,6 +11,15 @@
 //! 1. backlog drain, 300,000 x 256 B in transactions of 1,000 (quick: 20,000);
 //! 2. backlog drain, 100,000 x 256 B, one message per transaction (quick: 10,000);
 //! 3. a size sweep, 64 B / 1 KiB / 16 KiB / 256 KiB, about the same bytes per size;
+//! 5. streams (issue 19): one backlog, 200,000 x 256 B in transactions of 1,000 (quick:
+//!    5,000), drained by `pgoutbox run --stream-url ... --stream NAME` into a stream and by
+//!    the AMQP path into a queue (full shape, each on its own slot), and in the same run the
+//!    **bare stream publisher's ceiling**: a minimal stream-protocol client (no Postgres, our
+//!    `stream_publisher::frames` codec) publishing as many pre-built AMQP 1.0 messages of the
+//!    same shape and size into a fresh stream, confirms pipelined (windows 10,000 and 1,000,
+//!    right after the stream drain; the best counts). Reported: msg/s, pgoutbox's CPU per message and peak RSS, and the
+//!    ratios stream ÷ bare ceiling (target 0.9) and stream ÷ AMQP queue (target 1.5). The
+//!    stack's RabbitMQ then runs with the `rabbitmq_stream` plugin;
 //! 4. steady-state latency with 4 paced producers (synchronous commit) at several rates:
 //!    1,000 msg/s (the low-rate row), 2,000, 4,000 and half the scenario-2 drain rate (quick:
 //!    1,000 only). Latency is the consumer's receive time minus the time the producer's commit
@@ -63,6 +72,7 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
     PublisherConfirm,
 };
+use pgoutbox::stream_publisher::{amqp10, frames};
 use serde::Serialize;
 use serde_json::json;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -166,7 +176,7 @@ struct Args {
 fn parse_args() -> R<Args> {
     let mut quick = false;
     let mut runs = None;
-    let mut scenarios = vec![1, 2, 3, 4];
+    let mut scenarios = vec![1, 2, 3, 4, 5];
     let mut s4_rates = None;
     let mut s4_shapes = vec![Shape::Full];
     let mut it = std::env::args().skip(1);
@@ -178,15 +188,15 @@ fn parse_args() -> R<Args> {
                 runs = Some(v.parse::<u32>().map_err(|e| format!("--runs {v}: {e}"))?);
             }
             "--scenarios" => {
-                let v = it.next().ok_or("--scenarios needs a list like 1,2,3,4")?;
+                let v = it.next().ok_or("--scenarios needs a list like 1,2,3,4,5")?;
                 scenarios = v
                     .split(',')
                     .map(|s| {
                         s.trim()
                             .parse::<u32>()
                             .ok()
-                            .filter(|n| (1..=4).contains(n))
-                            .ok_or(format!("--scenarios: bad scenario {s:?} (1..4)"))
+                            .filter(|n| (1..=5).contains(n))
+                            .ok_or(format!("--scenarios: bad scenario {s:?} (1..5)"))
                     })
                     .collect::<R<Vec<_>>>()?;
             }
@@ -223,7 +233,7 @@ fn parse_args() -> R<Args> {
             }
             "-h" | "--help" => {
                 println!(
-                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4] [--s4-rate MSGS_PER_S[,...]] [--s4-shapes full,minimal]\n\
+                    "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4,5] [--s4-rate MSGS_PER_S[,...]] [--s4-shapes full,minimal]\n\
                      full: ~15 min on 2 cores; --quick: ~3 min (1 run, small counts, one steady rate)"
                 );
                 std::process::exit(0);
@@ -247,6 +257,7 @@ struct Sizes {
     s3_bytes: u64,
     s3_min_count: u64,
     s4_secs: u64,
+    s5_n: u64,
 }
 
 fn sizes(quick: bool) -> Sizes {
@@ -257,6 +268,7 @@ fn sizes(quick: bool) -> Sizes {
             s3_bytes: 2 << 20,
             s3_min_count: 32,
             s4_secs: 5,
+            s5_n: 5_000,
         }
     } else {
         Sizes {
@@ -265,6 +277,7 @@ fn sizes(quick: bool) -> Sizes {
             s3_bytes: 32 << 20,
             s3_min_count: 512,
             s4_secs: 15,
+            s5_n: 200_000,
         }
     }
 }
@@ -279,12 +292,14 @@ struct Stack {
 }
 
 impl Stack {
-    fn start(dir: &Path) -> R<Stack> {
+    /// Starts the stack in `dir`, its RabbitMQ with `plugins` (comma-separated, may be empty).
+    fn start(dir: &Path, plugins: &str) -> R<Stack> {
         let _ = fs::remove_dir_all(dir);
         let out = Command::new("bash")
             .arg(root().join("deploy/stack.sh"))
             .arg("start")
             .arg(dir)
+            .env("PGOUTBOX_STACK_PLUGINS", plugins)
             .output()
             .map_err(|e| format!("start stack: running deploy/stack.sh: {e}"))?;
         // From here on, stop it whatever happens.
@@ -1827,6 +1842,757 @@ async fn drain_case(
 }
 
 // ---------------------------------------------------------------------------------------
+// Scenario 5: a stream against an AMQP queue, and the bare stream publisher's ceiling
+
+/// The windows tried by the bare stream publisher; the best one counts.
+const STREAM_WINDOWS: [usize; 2] = [10_000, 1_000];
+/// The bare stream publisher's publisher id (one per connection).
+const BARE_PUBLISHER_ID: u8 = 1;
+
+/// One drain of scenario 5: pgoutbox into a stream or into an AMQP queue.
+#[derive(Debug, Clone, Serialize)]
+struct SinkDrain {
+    /// `stream` or `amqp`.
+    sink: &'static str,
+    /// 0-based position in the run's order.
+    position: usize,
+    drain_s: f64,
+    /// From pgoutbox's start to the last message confirmed (the AMQP rows of scenarios 1-3
+    /// count the same way).
+    msgs_per_s: f64,
+    /// The stream drain only: from the first poll that saw a confirm to the last confirm
+    /// (without pgoutbox's start-up, as the bare publisher is timed after its handshake).
+    msgs_per_s_after_first_confirm: Option<f64>,
+    /// pgoutbox's own utime + stime per message (/proc/PID/stat).
+    cpu_us_per_msg: f64,
+    /// pgoutbox's CPU seconds ÷ drain seconds (1.0: one core busy).
+    cpu_share_of_wall: f64,
+    walsender_cpu_us_per_msg: Option<f64>,
+    /// pgoutbox's VmHWM.
+    peak_rss_mb: f64,
+    rabbit_cpu_us_per_msg: Option<f64>,
+    exit_status: String,
+}
+
+/// One run of the bare stream publisher.
+#[derive(Debug, Clone, Serialize)]
+struct BareStreamRun {
+    window: usize,
+    n: u64,
+    /// Bytes of one AMQP 1.0 message as published (the stream path's full shape).
+    message_bytes: usize,
+    /// Messages per `Publish` frame, at most.
+    frame_messages: usize,
+    /// From the first publish to the last confirm.
+    elapsed_s: f64,
+    msgs_per_s: f64,
+    /// The bench process's CPU per message while it published (the client's own cost).
+    client_cpu_us_per_msg: Option<f64>,
+    rabbit_cpu_us_per_msg: Option<f64>,
+}
+
+/// One run of scenario 5.
+#[derive(Debug, Clone, Serialize)]
+struct StreamCaseRun {
+    run: u32,
+    n: u64,
+    size: usize,
+    per_tx: u64,
+    emit_s: f64,
+    /// `pg_recvlogical` on a twin slot (created with the others, before the backlog).
+    decode_msgs_per_s: f64,
+    load_before: String,
+    drains: Vec<SinkDrain>,
+    bare: Vec<BareStreamRun>,
+    /// The best bare run's rate: the stream ceiling of this run.
+    bare_msgs_per_s: f64,
+    /// Stream drain (after its first confirm) ÷ bare stream ceiling (target ≥ 0.9).
+    stream_over_bare: f64,
+    /// Stream drain ÷ AMQP-queue drain (target ≥ 1.5).
+    stream_over_amqp: f64,
+    /// Stream drain ÷ min(decode ceiling, bare stream ceiling).
+    stream_over_ceiling: f64,
+}
+
+impl StreamCaseRun {
+    fn drain(&self, sink: &str) -> Option<&SinkDrain> {
+        self.drains.iter().find(|d| d.sink == sink)
+    }
+}
+
+fn stream_url(stack: &Stack) -> R<String> {
+    let port = stack.get("RABBITMQ_STREAM_PORT");
+    if port.is_empty() {
+        return Err(
+            "the stack has no stream listener (RABBITMQ_STREAM_PORT missing from its env: \
+                    started without PGOUTBOX_STACK_PLUGINS=rabbitmq_stream)"
+                .into(),
+        );
+    }
+    Ok(format!(
+        "rabbitmq-stream://guest:guest@127.0.0.1:{port}/%2f"
+    ))
+}
+
+/// `pgoutbox run --stream-url ... --stream STREAM` on `slot` (full shape, metrics on), waits
+/// until its `pgoutbox_messages_confirmed_total` reaches `n`, and stops it.
+async fn drain_stream(
+    ctx: &Ctx,
+    tag: &str,
+    db_url: &str,
+    slot: &str,
+    stream: &str,
+    n: u64,
+    c: &tokio_postgres::Client,
+) -> R<(Drained, Option<f64>)> {
+    let rpid = ctx.stack.rabbit_pid().map(|p| p.to_string());
+    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let log = ctx.log_dir.join(format!("pgoutbox-{tag}-stream.log"));
+    let file = fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+    let t0 = Instant::now();
+    let child = Command::new(pgoutbox_bin())
+        .args([
+            "run",
+            "--database-url",
+            db_url,
+            "--stream-url",
+            &stream_url(&ctx.stack)?,
+            "--stream",
+            stream,
+            "--slot",
+            slot,
+            "--publication",
+            PUBLICATION,
+            "--max-in-flight",
+            &PGOUTBOX_WINDOW.to_string(),
+        ])
+        .env("PGOUTBOX_PUBLISH_PROPERTIES", Shape::Full.name())
+        .env("PGOUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .stdin(Stdio::null())
+        .stdout(
+            file.try_clone()
+                .map_err(|e| format!("log file {}: {e}", log.display()))?,
+        )
+        .stderr(file)
+        .spawn()
+        .map_err(|e| format!("[{tag}] start pgoutbox: {e}"))?;
+    let pid = child.id();
+    register(pid);
+    let mut streamer = Streamer {
+        child,
+        pid,
+        log,
+        program: "pgoutbox",
+    };
+    let addr = streamer.http_addr().await.ok_or(format!(
+        "[{tag}] stream drain: pgoutbox logged no http_addr"
+    ))?;
+    let limit = Duration::from_secs(120 + n / 2_000);
+    let mut last = (0u64, Instant::now());
+    // The first poll that saw confirms: (when, how many).
+    let mut first: Option<(Instant, u64)> = None;
+    let drain = loop {
+        let confirmed = scrape(&addr)
+            .await
+            .ok()
+            .and_then(|text| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix("pgoutbox_messages_confirmed_total "))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or(0.0) as u64;
+        if confirmed >= n {
+            break t0.elapsed();
+        }
+        if confirmed > 0 && first.is_none() {
+            first = Some((Instant::now(), confirmed));
+        }
+        streamer.check_alive(&format!("[{tag}] stream drain"))?;
+        if confirmed != last.0 {
+            last = (confirmed, Instant::now());
+        }
+        if t0.elapsed() > limit || last.1.elapsed() > Duration::from_secs(60) {
+            let tail = streamer.log_tail();
+            let _ = streamer.stop().await;
+            return Err(format!(
+                "[{tag}] stream drain: {confirmed} of {n} confirmed after {:?} (no progress \
+                 for {:?}); pid {pid} log:\n{tail}",
+                t0.elapsed(),
+                last.1.elapsed()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let steady = first
+        .filter(|(_, c1)| *c1 < n)
+        .map(|(t1, c1)| (n - c1) as f64 / secs(t1.elapsed()));
+    let p = pid.to_string();
+    let cpu_s = cpu_secs(&p, ctx.tck).ok_or(format!("[{tag}] read /proc/{p}/stat"))?;
+    let rss_mb = vm_hwm_mb(pid).ok_or(format!("[{tag}] read /proc/{p}/status"))?;
+    let walsender_cpu_s = match walsender_pid(c, slot).await {
+        Some(p) => cpu_secs(&p, ctx.tck),
+        None => None,
+    };
+    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let exit_status = streamer.stop().await;
+    let d = Drained {
+        drain_s: secs(drain),
+        cpu_s,
+        rss_mb,
+        walsender_cpu_s,
+        rabbit_cpu_s: match (r0, r1) {
+            (Some(a), Some(b)) => Some(b - a),
+            _ => None,
+        },
+        observed_shape: "full".into(),
+        exit_status,
+    };
+    Ok((d, steady))
+}
+
+/// A stream-protocol connection of the bare publisher, before it publishes: the handshake
+/// and the requests, one at a time.
+struct BareConn {
+    sock: tokio::net::TcpStream,
+    inbuf: bytes::BytesMut,
+    out: bytes::BytesMut,
+    correlation: u32,
+    frame_max: u32,
+}
+
+impl BareConn {
+    async fn read_frame(&mut self) -> R<frames::ServerFrame> {
+        use tokio::io::AsyncReadExt;
+        loop {
+            if let Some(len) = frames::frame_len(&self.inbuf, 0).map_err(|e| e.to_string())? {
+                let f = self.inbuf.split_to(len);
+                return frames::decode(&f).map_err(|e| e.to_string());
+            }
+            if self
+                .sock
+                .read_buf(&mut self.inbuf)
+                .await
+                .map_err(|e| format!("stream socket read: {e}"))?
+                == 0
+            {
+                return Err("the broker closed the stream connection".into());
+            }
+        }
+    }
+
+    async fn flush(&mut self) -> R<()> {
+        use tokio::io::AsyncWriteExt;
+        self.sock
+            .write_all(&self.out)
+            .await
+            .map_err(|e| format!("stream socket write: {e}"))?;
+        self.out.clear();
+        Ok(())
+    }
+
+    /// Sends what `out` holds (ending in a request of `key` with the current correlation)
+    /// and waits for its response; anything but OK fails.
+    async fn call(&mut self, key: u16, what: &str) -> R<frames::ResponseBody> {
+        self.flush().await?;
+        loop {
+            match self.read_frame().await? {
+                frames::ServerFrame::Response {
+                    key: k,
+                    correlation,
+                    code,
+                    body,
+                } if k == key && correlation == self.correlation => {
+                    return if code == frames::code::OK {
+                        Ok(body)
+                    } else {
+                        Err(format!(
+                            "{what}: {} ({code:#04x})",
+                            frames::code::name(code)
+                        ))
+                    };
+                }
+                frames::ServerFrame::Close { code, reason, .. } => {
+                    return Err(format!("{what}: the broker closed ({code:#04x}): {reason}"))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn next(&mut self) -> u32 {
+        self.correlation += 1;
+        self.correlation
+    }
+
+    /// PeerProperties, SaslHandshake, SaslAuthenticate PLAIN (guest), Tune, Open `/`,
+    /// Create `stream`, DeclarePublisher.
+    async fn open(port: &str, stream: &str, reference: &str) -> R<BareConn> {
+        let sock = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
+            .await
+            .map_err(|e| format!("connect to the stream port {port}: {e}"))?;
+        sock.set_nodelay(true).ok();
+        let mut c = BareConn {
+            sock,
+            inbuf: bytes::BytesMut::with_capacity(64 << 10),
+            out: bytes::BytesMut::with_capacity(64 << 10),
+            correlation: 0,
+            frame_max: 1 << 20,
+        };
+        let e = |e: frames::EncodeError| e.to_string();
+        let k = c.next();
+        frames::peer_properties(&mut c.out, k, &[("product", "pgoutbox-bench")]).map_err(e)?;
+        c.call(frames::PEER_PROPERTIES, "peer properties").await?;
+        let k = c.next();
+        frames::sasl_handshake(&mut c.out, k);
+        c.call(frames::SASL_HANDSHAKE, "SASL handshake").await?;
+        let k = c.next();
+        frames::sasl_plain(&mut c.out, k, "guest", "guest").map_err(e)?;
+        c.call(frames::SASL_AUTHENTICATE, "SASL PLAIN").await?;
+        let (frame_max, heartbeat) = loop {
+            if let frames::ServerFrame::Tune {
+                frame_max,
+                heartbeat,
+            } = c.read_frame().await?
+            {
+                break (frame_max, heartbeat);
+            }
+        };
+        frames::tune(&mut c.out, frame_max, heartbeat);
+        if frame_max != 0 {
+            c.frame_max = frame_max;
+        }
+        let k = c.next();
+        frames::open(&mut c.out, k, "/").map_err(e)?;
+        c.call(frames::OPEN, "open /").await?;
+        let k = c.next();
+        frames::create(&mut c.out, k, stream, &[]).map_err(e)?;
+        c.call(frames::CREATE, "create the stream").await?;
+        let k = c.next();
+        frames::declare_publisher(&mut c.out, k, BARE_PUBLISHER_ID, reference, stream)
+            .map_err(e)?;
+        c.call(frames::DECLARE_PUBLISHER, "declare the publisher")
+            .await?;
+        Ok(c)
+    }
+}
+
+/// The bare stream publisher: no Postgres, `n` pre-built AMQP 1.0 messages of the stream
+/// path's full shape (`size`-byte body) into a fresh stream, publishing ids 1..=n, as many
+/// messages per `Publish` frame as fit (frame_max), at most `window` unconfirmed; a task of
+/// its own reads the `PublishConfirm`s, so writing never waits on reading.
+async fn bare_stream_ceiling(
+    ctx: &Ctx,
+    tag: &str,
+    n: u64,
+    size: usize,
+    window: usize,
+) -> R<BareStreamRun> {
+    use bytes::BufMut;
+    use tokio::io::AsyncWriteExt;
+    let stream = format!("bench-{tag}-bare-w{window}");
+    let port = ctx.stack.get("RABBITMQ_STREAM_PORT").to_string();
+    let conn = BareConn::open(&port, &stream, &stream)
+        .await
+        .map_err(|e| format!("[{tag}] bare stream publisher: {e}"))?;
+    // Pre-built: the messages the stream path sends (properties, the three x-pgoutbox-*
+    // application properties, the body as a data section).
+    let body = vec![b'x'; size];
+    let messages: Vec<bytes::Bytes> = (0..n)
+        .map(|i| {
+            let p = props(i, Shape::Full);
+            let mut b = bytes::BytesMut::with_capacity(size + 256);
+            amqp10::encode(
+                &mut b,
+                &amqp10::Message {
+                    properties: &p,
+                    subject: "bench.s5",
+                    creation_time_ms: now_us() / 1000,
+                    body: &body,
+                },
+            );
+            b.freeze()
+        })
+        .collect();
+    let message_bytes = messages.first().map_or(0, |m| m.len());
+    let frame_max = conn.frame_max as usize;
+    let BareConn {
+        sock,
+        mut inbuf,
+        mut out,
+        ..
+    } = conn;
+    let (mut rd, mut wr) = sock.into_split();
+    // The confirm reader: confirmed counts (or the error) to the writer.
+    let (tx, mut rx) = mpsc::unbounded_channel::<R<u64>>();
+    let reader = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        loop {
+            loop {
+                match frames::frame_len(&inbuf, 0) {
+                    Ok(Some(len)) => {
+                        let f = inbuf.split_to(len);
+                        let r = match frames::decode(&f) {
+                            Ok(frames::ServerFrame::PublishConfirm { ids, .. }) => {
+                                Ok(ids.len() as u64)
+                            }
+                            Ok(frames::ServerFrame::PublishError { errors, .. }) => Err(format!(
+                                "{} publish errors, first {:?}",
+                                errors.len(),
+                                errors.first()
+                            )),
+                            Ok(frames::ServerFrame::Close { code, reason, .. }) => {
+                                Err(format!("the broker closed ({code:#04x}): {reason}"))
+                            }
+                            Ok(_) => continue,
+                            Err(e) => Err(e.to_string()),
+                        };
+                        let fatal = r.is_err();
+                        if tx.send(r).is_err() || fatal {
+                            return;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        let _ = tx.send(Err(e.to_string()));
+                        return;
+                    }
+                }
+            }
+            match rd.read_buf(&mut inbuf).await {
+                Ok(0) | Err(_) => {
+                    let _ = tx.send(Err("the stream connection closed".into()));
+                    return;
+                }
+                Ok(_) => {}
+            }
+        }
+    });
+    let rpid = ctx.stack.rabbit_pid().map(|p| p.to_string());
+    let r0 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    let me = std::process::id().to_string();
+    let c0 = cpu_secs(&me, ctx.tck);
+    let t0 = Instant::now();
+    let (mut sent, mut confirmed) = (0u64, 0u64);
+    let mut frame_messages = 0usize;
+    let result: R<()> = async {
+        while confirmed < n {
+            // Fill the window: frames of as many messages as fit, one write for them all.
+            while sent < n && sent - confirmed < window as u64 {
+                let mut f = frames::PublishFrame::start(&mut out, BARE_PUBLISHER_ID);
+                while sent < n && sent - confirmed < window as u64 {
+                    let m = &messages[sent as usize];
+                    if !f.try_push(&mut out, sent + 1, frame_max, |b| b.put_slice(m)) {
+                        break;
+                    }
+                    sent += 1;
+                }
+                frame_messages = frame_messages.max(f.count() as usize);
+                f.finish(&mut out);
+            }
+            if !out.is_empty() {
+                wr.write_all(&out)
+                    .await
+                    .map_err(|e| format!("stream socket write: {e}"))?;
+                out.clear();
+            }
+            let got = rx.recv().await.ok_or("the confirm reader stopped")??;
+            confirmed += got;
+            while let Ok(r) = rx.try_recv() {
+                confirmed += r?;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    let elapsed = t0.elapsed();
+    let c1 = cpu_secs(&me, ctx.tck);
+    let r1 = rpid.as_deref().and_then(|p| cpu_secs(p, ctx.tck));
+    reader.abort();
+    drop(wr);
+    result.map_err(|e| format!("[{tag}] bare stream publisher W={window}: {e}"))?;
+    // The stream is a queue to AMQP: delete it there.
+    if let Err(e) = ctx
+        .ch
+        .queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
+        .await
+    {
+        eprintln!("bench: WARNING: [{tag}] delete stream {stream}: {e}");
+    }
+    Ok(BareStreamRun {
+        window,
+        n,
+        message_bytes,
+        frame_messages,
+        elapsed_s: secs(elapsed),
+        msgs_per_s: n as f64 / secs(elapsed),
+        client_cpu_us_per_msg: match (c0, c1) {
+            (Some(a), Some(b)) => Some((b - a) * 1e6 / n as f64),
+            _ => None,
+        },
+        rabbit_cpu_us_per_msg: match (r0, r1) {
+            (Some(a), Some(b)) => Some((b - a) * 1e6 / n as f64),
+            _ => None,
+        },
+    })
+}
+
+/// Scenario 5: one backlog of `n` × `size` B (`per_tx` per transaction), drained by pgoutbox
+/// into a stream and into an AMQP queue (full shape, each on its own slot created before the
+/// backlog; the order reversed on every other run), and right after the stream drain the
+/// bare stream publisher's ceiling at each of [`STREAM_WINDOWS`].
+async fn stream_case(ctx: &Ctx, run: u32, n: u64, size: usize, per_tx: u64) -> R<StreamCaseRun> {
+    let tag = format!("s5_r{run}");
+    let db = format!("bench_{tag}");
+    let load_before = loadavg();
+    let order: [&'static str; 2] = if run % 2 == 0 {
+        ["amqp", "stream"]
+    } else {
+        ["stream", "amqp"]
+    };
+    eprintln!(
+        "bench: [{tag}] {n} x {size} B, {per_tx} per transaction; drains: pgoutbox into {} \
+         (load {load_before})",
+        order.join(", then ")
+    );
+    let url = fresh_db(ctx, &db).await?;
+    let c = pg(&url, &tag).await?;
+    let stream_slot = format!("{SLOT}_stream");
+    for slot in [stream_slot.as_str(), TWIN] {
+        sql(
+            &c,
+            &format!("[{tag}] create slot {slot}"),
+            &format!("SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"),
+        )
+        .await?;
+    }
+    let queue = format!("bench-{tag}-amqp");
+    let stream = format!("bench-{tag}-stream");
+    declare_bound_queue(&ctx.ch, &queue, &queue)
+        .await
+        .map_err(|e| format!("[{tag}] {e}"))?;
+    let emit_s = emit_backlog(&url, n, size, per_tx, "bench.s5")
+        .await
+        .map_err(|e| format!("[{tag}] {e}"))?;
+    let endpos = sql_text(&c, &tag, "SELECT pg_current_wal_lsn()::text").await?;
+    let decode = decode_ceiling(&ctx.stack, &db, &endpos, n)
+        .await
+        .map_err(|e| format!("[{tag}] {e}"))?;
+    sql(
+        &c,
+        &format!("[{tag}] drop twin slot"),
+        &format!("SELECT pg_drop_replication_slot('{TWIN}')"),
+    )
+    .await?;
+    eprintln!("bench: [{tag}] backlog written in {emit_s:.1} s; decode ceiling {decode:.0} msg/s");
+    let mut drains = Vec::new();
+    let mut bare = Vec::new();
+    for (position, sink) in order.iter().enumerate() {
+        let (d, slot) = if *sink == "stream" {
+            let d = drain_stream(ctx, &tag, &url, &stream_slot, &stream, n, &c).await;
+            if let Err(e) = ctx
+                .ch
+                .queue_delete(stream.as_str().into(), QueueDeleteOptions::default())
+                .await
+            {
+                eprintln!("bench: WARNING: [{tag}] delete stream {stream}: {e}");
+            }
+            // The ceiling right after the stream drain, so that both see about the same
+            // load from the machine's other work.
+            if d.is_ok() {
+                for w in STREAM_WINDOWS {
+                    let b = bare_stream_ceiling(ctx, &tag, n, size, w).await?;
+                    eprintln!(
+                        "bench: [{tag}] bare stream publisher W={w}: {:.0} msg/s ({} B \
+                         messages, up to {} per frame)",
+                        b.msgs_per_s, b.message_bytes, b.frame_messages
+                    );
+                    bare.push(b);
+                }
+            }
+            (d, stream_slot.clone())
+        } else {
+            let target = Target {
+                db: &db,
+                db_url: &url,
+                slot: SLOT,
+                exchange: &queue,
+            };
+            let relay = Relay::Pgoutbox(Shape::Full, Metrics::On);
+            let d = drain_relay(ctx, &tag, relay, &target, &queue, n, &c)
+                .await
+                .map(|d| (d, None));
+            delete_queue(&ctx.ch, &queue, &queue)
+                .await
+                .map_err(|e| format!("[{tag}] {e}"))?;
+            (d, SLOT.to_string())
+        };
+        // Free the WAL this slot held for the drain still to come.
+        sql(
+            &c,
+            &format!("[{tag}] drop slot {slot}"),
+            &format!(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = '{slot}' AND NOT active"
+            ),
+        )
+        .await?;
+        let (d, steady) = d?;
+        let rate = n as f64 / d.drain_s;
+        eprintln!(
+            "bench: [{tag}] pgoutbox into {sink}: {rate:.0} msg/s ({:.2} s; after the first \
+             confirm {}), CPU {:.1} us/msg, peak RSS {:.1} MB",
+            d.drain_s,
+            steady.map_or("n/a".into(), |r| format!("{r:.0} msg/s")),
+            d.cpu_s * 1e6 / n as f64,
+            d.rss_mb
+        );
+        drains.push(SinkDrain {
+            sink,
+            position,
+            drain_s: d.drain_s,
+            msgs_per_s: rate,
+            msgs_per_s_after_first_confirm: steady,
+            cpu_us_per_msg: d.cpu_s * 1e6 / n as f64,
+            cpu_share_of_wall: d.cpu_s / d.drain_s,
+            walsender_cpu_us_per_msg: d.walsender_cpu_s.map(|s| s * 1e6 / n as f64),
+            peak_rss_mb: d.rss_mb,
+            rabbit_cpu_us_per_msg: d.rabbit_cpu_s.map(|s| s * 1e6 / n as f64),
+            exit_status: d.exit_status,
+        });
+    }
+    drop(c);
+    drop_db(ctx, &db)
+        .await
+        .map_err(|e| format!("[{tag}] {e}"))?;
+    let bare_msgs_per_s = bare.iter().map(|b| b.msgs_per_s).fold(0.0, f64::max);
+    let rate = |sink: &str| {
+        drains
+            .iter()
+            .find(|d| d.sink == sink)
+            .map_or(f64::NAN, |d| d.msgs_per_s)
+    };
+    let steady = drains
+        .iter()
+        .find(|d| d.sink == "stream")
+        .and_then(|d| d.msgs_per_s_after_first_confirm)
+        .unwrap_or_else(|| rate("stream"));
+    Ok(StreamCaseRun {
+        run,
+        n,
+        size,
+        per_tx,
+        emit_s,
+        decode_msgs_per_s: decode,
+        load_before,
+        stream_over_ceiling: steady / bare_msgs_per_s.min(decode),
+        stream_over_bare: steady / bare_msgs_per_s,
+        stream_over_amqp: rate("stream") / rate("amqp"),
+        drains,
+        bare,
+        bare_msgs_per_s,
+    })
+}
+
+/// Scenario 5's table: each path's median [min–max] over the runs, and the two ratios.
+fn stream_table(runs: &[StreamCaseRun]) -> String {
+    let mut md = String::from(
+        "| path | msg/s | msg/s after the first confirm | CPU µs/msg | CPU / wall | peak RSS MB | walsender CPU µs/msg | RabbitMQ CPU µs/msg |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for (sink, label) in [
+        ("stream", "pgoutbox → stream"),
+        ("amqp", "pgoutbox → AMQP queue (full shape)"),
+    ] {
+        let ds: Vec<&SinkDrain> = runs.iter().filter_map(|r| r.drain(sink)).collect();
+        if ds.is_empty() {
+            continue;
+        }
+        let opt = |v: Vec<f64>, prec: usize| {
+            if v.is_empty() {
+                "n/a".to_string()
+            } else {
+                fmt_mmm(v, prec)
+            }
+        };
+        let _ = writeln!(
+            md,
+            "| {label} | {} | {} | {} | {} | {} | {} | {} |",
+            fmt_mmm(ds.iter().map(|d| d.msgs_per_s).collect(), 0),
+            opt(
+                ds.iter()
+                    .filter_map(|d| d.msgs_per_s_after_first_confirm)
+                    .collect(),
+                0
+            ),
+            fmt_mmm(ds.iter().map(|d| d.cpu_us_per_msg).collect(), 1),
+            fmt_mmm(ds.iter().map(|d| d.cpu_share_of_wall).collect(), 2),
+            fmt_mmm(ds.iter().map(|d| d.peak_rss_mb).collect(), 1),
+            opt(
+                ds.iter()
+                    .filter_map(|d| d.walsender_cpu_us_per_msg)
+                    .collect(),
+                1
+            ),
+            opt(
+                ds.iter().filter_map(|d| d.rabbit_cpu_us_per_msg).collect(),
+                1
+            ),
+        );
+    }
+    let best: Vec<&BareStreamRun> = runs
+        .iter()
+        .filter_map(|r| {
+            r.bare
+                .iter()
+                .max_by(|a, b| a.msgs_per_s.total_cmp(&b.msgs_per_s))
+        })
+        .collect();
+    if !best.is_empty() {
+        let client: Vec<f64> = best
+            .iter()
+            .filter_map(|b| b.client_cpu_us_per_msg)
+            .collect();
+        let rabbit: Vec<f64> = best
+            .iter()
+            .filter_map(|b| b.rabbit_cpu_us_per_msg)
+            .collect();
+        let windows: Vec<String> = best.iter().map(|b| b.window.to_string()).collect();
+        let _ = writeln!(
+            md,
+            "| bare stream publisher (best W: {}; {} B messages) | {} | | {} (client) | | n/a | | {} |",
+            windows.join(", "),
+            best[0].message_bytes,
+            fmt_mmm(best.iter().map(|b| b.msgs_per_s).collect(), 0),
+            if client.is_empty() {
+                "n/a".into()
+            } else {
+                fmt_mmm(client, 1)
+            },
+            if rabbit.is_empty() {
+                "n/a".into()
+            } else {
+                fmt_mmm(rabbit, 1)
+            },
+        );
+    }
+    let _ = writeln!(
+        md,
+        "| decode ceiling (pg_recvlogical, twin slot) | {} | | | | | | |",
+        fmt_mmm(runs.iter().map(|r| r.decode_msgs_per_s).collect(), 0),
+    );
+    let _ = writeln!(
+        md,
+        "\nstream drain (after its first confirm) ÷ bare stream ceiling: **{}** (target ≥ 0.9); \
+         stream drain ÷ AMQP-queue drain (both from start): **{}** (target ≥ 1.5); stream drain \
+         (after its first confirm) ÷ min(decode, bare stream ceiling): {}; ratios per run, \
+         median [min–max].",
+        fmt_mmm(runs.iter().map(|r| r.stream_over_bare).collect(), 2),
+        fmt_mmm(runs.iter().map(|r| r.stream_over_amqp).collect(), 2),
+        fmt_mmm(runs.iter().map(|r| r.stream_over_ceiling).collect(), 2),
+    );
+    md
+}
+
+// ---------------------------------------------------------------------------------------
 // Steady-state latency
 
 /// Quantiles of latencies in milliseconds.
@@ -2777,7 +3543,13 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
     let stamp = sh("date", &["-u", "+%Y%m%dT%H%M%SZ"]);
     let dir = PathBuf::from(format!("/tmp/pgoutbox-bench-{}", std::process::id()));
     eprintln!("bench: starting the stack in {}", dir.display());
-    let stack = Stack::start(&dir)?;
+    // Scenario 5 needs the stream plugin (and a stream listener, see deploy/stack.sh).
+    let plugins = if args.scenarios.contains(&5) {
+        "rabbitmq_stream"
+    } else {
+        ""
+    };
+    let stack = Stack::start(&dir, plugins)?;
     let env = stack.env.clone();
     *stack_slot.lock().map_err(|_| "lock")? = Some(stack);
     // The stack lives in stack_slot (stopped by main); Ctx gets its own handle to the env.
@@ -2943,6 +3715,14 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
             }
         }
     }
+    let mut streams: Vec<StreamCaseRun> = Vec::new();
+    if has(5) {
+        for run in 1..=args.runs {
+            let s = stream_case(&ctx, run, sz.s5_n, 256, 1000).await?;
+            streams.push(s);
+            eprintln!("bench: streams so far:\n{}", stream_table(&streams));
+        }
+    }
     let mut latency: Vec<LatencyRun> = Vec::new();
     if has(4) {
         let s2: Vec<f64> = drains
@@ -3067,8 +3847,24 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         md.push_str("\nThe delivery journal's cost: pgoutbox full with `--journal` and without (metrics on in both), drains of the same backlog back to back, paired by run:\n\n");
         md.push_str(&journal_table(&drains));
     }
-    md.push_str("\nBroker ceiling by shape and window:\n\n");
-    md.push_str(&broker_table(&cases));
+    if !cases.is_empty() {
+        md.push_str("\nBroker ceiling by shape and window:\n\n");
+        md.push_str(&broker_table(&cases));
+    }
+    if let Some(s) = streams.first() {
+        let _ = writeln!(
+            md,
+            "\nStreams (scenario 5): one backlog of {} × {} B in transactions of {}, drained by \
+             pgoutbox into a stream (`run --stream-url --stream`) and into a durable classic \
+             queue (the AMQP path), full shape, window {PGOUTBOX_WINDOW}, each on its own slot; \
+             the bare stream publisher (no Postgres: pre-built AMQP 1.0 messages of the same \
+             shape, one fresh stream, confirms pipelined, best of W={:?}) measured in the same \
+             run. CPU and peak RSS are pgoutbox's own (the bare publisher's row: the bench \
+             client's CPU).\n",
+            s.n, s.size, s.per_tx, STREAM_WINDOWS
+        );
+        md.push_str(&stream_table(&streams));
+    }
     if let Some(l) = latency.first() {
         let _ = writeln!(
             md,
@@ -3093,6 +3889,12 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
                 d.scenario, d.relay, d.run, d.exit_status
             )
         })
+        .chain(streams.iter().flat_map(|s| {
+            s.drains
+                .iter()
+                .filter(|d| d.exit_status != "exit status: 0")
+                .map(move |d| format!("s5 into {} run {}: {}", d.sink, s.run, d.exit_status))
+        }))
         .chain(
             latency
                 .iter()
@@ -3155,6 +3957,7 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         },
         "cases": cases,
         "drains": drains,
+        "streams": streams,
         "latency": latency,
         "markdown": md,
     });
