@@ -9,7 +9,8 @@
 # When node and npm are installed, the Node relay of ../shared/peers/node (or
 # $PGOUTBOX_BENCH_NODE_PEER) runs next to pgoutbox: copied to target/peer-node, `npm ci` there
 # when its package-lock.json changed; without node its rows are skipped with a note.
-# Full mode takes about 15 minutes on 2 cores; --quick about 3 (CI runs --quick).
+# Scenario 5 (streams) needs the rabbitmq_stream plugin: the bench starts its stack with it.
+# Full mode takes about 18 minutes on 2 cores; --quick about 3 (CI runs --quick).
 #
 # Then the scaling curve of `run --partitions N` (examples/scaling.rs, issue 31): drains
 # with N = 1, 2, 4 against real RabbitMQ, and a simulation against a fake broker that

@@ -234,7 +234,7 @@ fn parse_args() -> R<Args> {
             "-h" | "--help" => {
                 println!(
                     "usage: bench [--quick] [--runs N] [--scenarios 1,2,3,4,5] [--s4-rate MSGS_PER_S[,...]] [--s4-shapes full,minimal]\n\
-                     full: ~15 min on 2 cores; --quick: ~3 min (1 run, small counts, one steady rate)"
+                     full: ~18 min on 2 cores; --quick: ~3 min (1 run, small counts, one steady rate)"
                 );
                 std::process::exit(0);
             }
@@ -1955,8 +1955,6 @@ async fn drain_stream(
             "run",
             "--database-url",
             db_url,
-            "--stream-url",
-            &stream_url(&ctx.stack)?,
             "--stream",
             stream,
             "--slot",
@@ -1968,6 +1966,8 @@ async fn drain_stream(
         ])
         .env("PGOUTBOX_PUBLISH_PROPERTIES", Shape::Full.name())
         .env("PGOUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        // Through the environment: a password on the command line draws a warning.
+        .env("PGOUTBOX_STREAM_URL", stream_url(&ctx.stack)?)
         .stdin(Stdio::null())
         .stdout(
             file.try_clone()
