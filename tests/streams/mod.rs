@@ -39,9 +39,9 @@ fn run_stream(
 }
 
 /// Every message of `stream`, read from its first offset (stops once none came for `idle`).
-async fn read_all(rmq: &'static RabbitMq, stream: &str, idle: Duration) -> Vec<StreamMessage> {
-    let stream = stream.to_owned();
-    tokio::task::spawn_blocking(move || support::read_stream(rmq, &stream, usize::MAX, idle))
+async fn read_all(rmq: &RabbitMq, stream: &str, idle: Duration) -> Vec<StreamMessage> {
+    let (url, stream) = (rmq.stream_url(), stream.to_owned());
+    tokio::task::spawn_blocking(move || support::read_stream_url(&url, &stream, usize::MAX, idle))
         .await
         .expect("reader")
 }
@@ -285,7 +285,8 @@ fn holder(ob: &Outbox<'_>) -> Option<String> {
 async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit_order() {
     let target = support::scaled_count(20_000);
     let pg = Postgres::shared();
-    let rmq: &'static RabbitMq = Box::leak(Box::new(RabbitMq::start_private()));
+    // Stopped when the test ends (Drop), whatever its outcome.
+    let rmq = Arc::new(RabbitMq::start_private());
     let ob = Outbox::new_without_queue(pg, &rmq.url(), "stream_kills").await;
     ob.sql("CREATE TABLE audit (message_id text PRIMARY KEY)");
     let stream = support::unique("stream_kills");
@@ -296,7 +297,7 @@ async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit
         let id = format!("k{next}");
         (
             id.clone(),
-            run_stream(&ob, rmq, &stream, &id, &["--standby-poll-ms", "200"]),
+            run_stream(&ob, &rmq, &stream, &id, &["--standby-poll-ms", "200"]),
         )
     };
     let mut procs: HashMap<String, Streamer> = HashMap::new();
@@ -340,10 +341,11 @@ async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit
         if round == kills {
             // Last, near the end of the production, in the background: the producers and the kills go on meanwhile.
             eprintln!("stream kills: round {round}: restarting RabbitMQ");
+            let node = rmq.clone();
             restart = Some(tokio::task::spawn_blocking(move || {
-                rmq.stop_app();
+                node.stop_app();
                 std::thread::sleep(Duration::from_millis(500));
-                rmq.start_app();
+                node.start_app();
             }));
             continue;
         }
@@ -388,7 +390,7 @@ async fn kills_takeovers_and_a_broker_restart_leave_every_message_once_in_commit
         p.stop_ok(scaled(Duration::from_secs(30))).await;
         logs.push_str(&p.log());
     }
-    let got = read_all(rmq, &stream, scaled(Duration::from_secs(10))).await;
+    let got = read_all(&rmq, &stream, scaled(Duration::from_secs(10))).await;
     // Our own reader sees the same entries, in the same order, with the same bytes.
     let own = support::stream_reader::read_stream_own(
         rmq.stream_port(),
@@ -732,8 +734,8 @@ async fn streams_over_tls_verify_the_broker_and_refuse_an_unknown_ca() {
 async fn a_cluster_node_that_stops_under_the_publisher_loses_and_duplicates_nothing() {
     let target = support::scaled_count(3_000);
     let pg = Postgres::shared();
-    let cluster: &'static support::cluster::RabbitCluster =
-        Box::leak(Box::new(support::cluster::RabbitCluster::start(3)));
+    // Stopped when the test ends (Drop), whatever its outcome.
+    let cluster = Arc::new(support::cluster::RabbitCluster::start(3));
     let ob = Outbox::new_without_queue(pg, &cluster.nodes[0].url(), "stream_cluster").await;
     ob.sql("CREATE TABLE audit (message_id text PRIMARY KEY)");
     let stream = support::unique("stream_cluster");
@@ -783,20 +785,13 @@ async fn a_cluster_node_that_stops_under_the_publisher_loses_and_duplicates_noth
         "stream cluster: stopping node 1 at {}",
         committed.load(Ordering::SeqCst)
     );
-    let node = &cluster.nodes[0];
-    tokio::task::spawn_blocking(move || node.stop_app())
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.nodes[0].stop_app())
         .await
         .unwrap();
-    assert!(
-        streamer
-            .wait_for_log(
-                "connected to the RabbitMQ stream node=",
-                scaled(Duration::from_secs(5))
-            )
-            .await
-    );
     assert!(reach(2 * target / 3).await, "producers stalled");
-    tokio::task::spawn_blocking(move || node.start_app())
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.nodes[0].start_app())
         .await
         .unwrap();
     for p in producers {
