@@ -305,51 +305,16 @@ async fn connect_partitions(
 async fn connect_amqp(
     nodes: &BrokerNodes,
     part: usize,
-    mut publisher_config: PublisherConfig,
+    publisher_config: PublisherConfig,
     encoder: &Encoder,
 ) -> Result<(AmqpSink, usize), Error> {
-    let total = nodes.urls.len();
-    let mut first_retryable: Option<Error> = None;
-    let mut first_definite: Option<Error> = None;
-    for i in nodes.pass(part) {
-        publisher_config.amqp_url.clone_from(&nodes.urls[i]);
-        let url = nodes.urls[i].to_string();
-        match AmqpSink::connect(&publisher_config, encoder.clone()).await {
-            Ok(sink) => {
-                tracing::info!(
-                    node = %url,
-                    index = i + 1,
-                    of = total,
-                    "connected to RabbitMQ"
-                );
-                return Ok((sink, i));
-            }
-            Err(e) => {
-                let e = Error::from(e);
-                if total > 1 {
-                    tracing::warn!(
-                        node = %url,
-                        index = i + 1,
-                        of = total,
-                        definite = !e.is_retryable(),
-                        error = %crate::error::one_line(&e),
-                        "RabbitMQ node did not accept the connection; trying the next"
-                    );
-                }
-                let slot = if e.is_retryable() {
-                    &mut first_retryable
-                } else {
-                    &mut first_definite
-                };
-                if slot.is_none() {
-                    *slot = Some(e);
-                }
-            }
-        }
-    }
-    Err(first_retryable
-        .or(first_definite)
-        .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ node is configured".into())))
+    connect_pass(nodes, part, "RabbitMQ", |i| {
+        let mut config = publisher_config.clone();
+        config.amqp_url.clone_from(&nodes.urls[i]);
+        let encoder = encoder.clone();
+        async move { Ok(AmqpSink::connect(&config, encoder).await?) }
+    })
+    .await
 }
 
 /// One connect pass of the stream publisher over the nodes of `--stream-url`, as
@@ -359,29 +324,43 @@ async fn connect_amqp(
 /// As [`connect_amqp`].
 async fn connect_stream(
     nodes: &BrokerNodes,
-    mut config: StreamConfig,
+    config: StreamConfig,
     encoder: &Encoder,
 ) -> Result<(StreamSink, usize), Error> {
+    connect_pass(nodes, 0, "the RabbitMQ stream", |i| {
+        let mut config = config.clone();
+        // The stream publisher takes the text (its StreamConfig's Debug redacts it).
+        nodes.urls[i].expose_secret().clone_into(&mut config.url);
+        let encoder = encoder.clone();
+        async move { Ok(StreamSink::connect(&config, encoder).await?) }
+    })
+    .await
+}
+
+/// The pass itself, for any sink: `connect(i)` tries node `i`; the rules of
+/// [`connect_amqp`]. `what` names the destination in the log (`RabbitMQ`, `the RabbitMQ
+/// stream`).
+async fn connect_pass<S, F, Fut>(
+    nodes: &BrokerNodes,
+    part: usize,
+    what: &str,
+    mut connect: F,
+) -> Result<(S, usize), Error>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<S, Error>>,
+{
     let total = nodes.urls.len();
     let mut first_retryable: Option<Error> = None;
     let mut first_definite: Option<Error> = None;
-    for i in nodes.pass(0) {
-        // The stream publisher takes the text (its StreamConfig's Debug redacts it).
-        nodes.urls[i].expose_secret().clone_into(&mut config.url);
+    for i in nodes.pass(part) {
         let url = nodes.urls[i].to_string();
-        match StreamSink::connect(&config, encoder.clone()).await {
+        match connect(i).await {
             Ok(sink) => {
-                tracing::info!(
-                    node = %url,
-                    index = i + 1,
-                    of = total,
-                    stream = %config.stream,
-                    "connected to the RabbitMQ stream"
-                );
+                tracing::info!(node = %url, index = i + 1, of = total, "connected to {what}");
                 return Ok((sink, i));
             }
             Err(e) => {
-                let e = Error::from(e);
                 if total > 1 {
                     tracing::warn!(
                         node = %url,
@@ -389,7 +368,7 @@ async fn connect_stream(
                         of = total,
                         definite = !e.is_retryable(),
                         error = %crate::error::one_line(&e),
-                        "RabbitMQ stream node did not accept the connection; trying the next"
+                        "{what} node did not accept the connection; trying the next"
                     );
                 }
                 let slot = if e.is_retryable() {
@@ -405,7 +384,7 @@ async fn connect_stream(
     }
     Err(first_retryable
         .or(first_definite)
-        .unwrap_or_else(|| Error::BrokerLost("no RabbitMQ stream node is configured".into())))
+        .unwrap_or_else(|| Error::BrokerLost(format!("no {what} node is configured"))))
 }
 
 #[cfg(test)]

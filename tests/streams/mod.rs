@@ -17,23 +17,29 @@ fn run_stream(
     instance: &str,
     extra: &[&str],
 ) -> Streamer {
+    let mut args = vec!["--instance-id", instance];
+    args.extend_from_slice(extra);
+    run_stream_at(ob, &[rmq.stream_url()], stream, &args)
+}
+
+/// `run` against `ob`, publishing into `stream` at the nodes `urls` (`--stream-url` each).
+fn run_stream_at(ob: &Outbox<'_>, urls: &[String], stream: &str, extra: &[&str]) -> Streamer {
     let mut args: Vec<String> = vec![
         "run".into(),
         "--database-url".into(),
         ob.streamer_url(),
-        "--stream-url".into(),
-        rmq.stream_url(),
         "--stream".into(),
         stream.into(),
         "--slot".into(),
         ob.slot.clone(),
         "--publication".into(),
         ob.publication.clone(),
-        "--instance-id".into(),
-        instance.into(),
         "--http-addr".into(),
         "off".into(),
     ];
+    for url in urls {
+        args.extend(["--stream-url".into(), url.clone()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     Streamer::spawn(&args, &[("RUST_LOG", "info")])
 }
@@ -698,22 +704,7 @@ async fn streams_over_tls_verify_the_broker_and_refuse_an_unknown_ca() {
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("certificate"), "{out}");
     let url = tls.stream_tls_url(&tls.cacertfile());
-    let args: Vec<String> = vec![
-        "run".into(),
-        "--database-url".into(),
-        ob.streamer_url(),
-        "--stream-url".into(),
-        url.clone(),
-        "--stream".into(),
-        stream.clone(),
-        "--slot".into(),
-        ob.slot.clone(),
-        "--publication".into(),
-        ob.publication.clone(),
-        "--http-addr".into(),
-        "off".into(),
-    ];
-    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let streamer = run_stream_at(&ob, std::slice::from_ref(&url), &stream, &[]);
     let last = ob.emit("t.tls", "tls-1");
     assert!(
         ob.flushed_past(last, scaled(Duration::from_secs(60))).await,
@@ -739,23 +730,7 @@ async fn a_cluster_node_that_stops_under_the_publisher_loses_and_duplicates_noth
     let ob = Outbox::new_without_queue(pg, &cluster.nodes[0].url(), "stream_cluster").await;
     ob.sql("CREATE TABLE audit (message_id text PRIMARY KEY)");
     let stream = support::unique("stream_cluster");
-    let mut args: Vec<String> = vec![
-        "run".into(),
-        "--database-url".into(),
-        ob.streamer_url(),
-        "--stream".into(),
-        stream.clone(),
-        "--slot".into(),
-        ob.slot.clone(),
-        "--publication".into(),
-        ob.publication.clone(),
-        "--http-addr".into(),
-        "off".into(),
-    ];
-    for url in cluster.stream_urls() {
-        args.extend(["--stream-url".into(), url]);
-    }
-    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let streamer = run_stream_at(&ob, &cluster.stream_urls(), &stream, &[]);
     let committed = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let producers: Vec<_> = (0..2)
@@ -918,22 +893,7 @@ async fn a_silent_node_is_left_after_two_heartbeats_and_nothing_is_lost() {
         "rabbitmq-stream://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",
         proxy.port()
     );
-    let args: Vec<String> = vec![
-        "run".into(),
-        "--database-url".into(),
-        ob.streamer_url(),
-        "--stream-url".into(),
-        url,
-        "--stream".into(),
-        stream.clone(),
-        "--slot".into(),
-        ob.slot.clone(),
-        "--publication".into(),
-        ob.publication.clone(),
-        "--http-addr".into(),
-        "off".into(),
-    ];
-    let streamer = Streamer::spawn(&args, &[("RUST_LOG", "info")]);
+    let streamer = run_stream_at(&ob, &[url], &stream, &[]);
     let first = ob.emit("t.hb", "h-1");
     assert!(
         ob.flushed_past(first, scaled(Duration::from_secs(60)))
