@@ -803,7 +803,8 @@ async fn broker_ceiling(
     delete_queue(&ch, &exchange, &queue)
         .await
         .map_err(|e| format!("{what}: {e}"))?;
-    let _ = conn.close(200, "bench done".into()).await;
+    let _ =
+        tokio::time::timeout(Duration::from_secs(5), conn.close(200, "bench done".into())).await;
     let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
     Ok(BrokerRun {
         publisher: "lapin",
@@ -910,7 +911,11 @@ async fn broker_ceiling_own(
     delete_queue(&ch, &exchange, &queue)
         .await
         .map_err(|e| format!("{what}: {e}"))?;
-    let _ = admin.close(200, "bench done".into()).await;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        admin.close(200, "bench done".into()),
+    )
+    .await;
     let per = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n as f64);
     Ok(BrokerRun {
         publisher: "pgoutbox",
@@ -3060,7 +3065,11 @@ async fn latency_case(
     let cpu = cpu_secs(&pid, ctx.tck).ok_or("[s4] read /proc stat")?;
     let rss = vm_hwm_mb(streamer.pid).ok_or("[s4] read /proc status")?;
     let exit_status = streamer.stop().await;
-    let _ = cconn.close(200, "bench done".into()).await;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        cconn.close(200, "bench done".into()),
+    )
+    .await;
     drop(c);
     delete_queue(&ctx.ch, &exchange, &queue)
         .await
@@ -3966,7 +3975,11 @@ async fn bench(args: Args, stack_slot: Arc<Mutex<Option<Stack>>>) -> R<()> {
         serde_json::to_string_pretty(&results).map_err(|e| format!("json: {e}"))?,
     )
     .map_err(|e| format!("write {}: {e}", path.display()))?;
-    let _ = ctx.amqp.close(200, "bench done".into()).await;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        ctx.amqp.close(200, "bench done".into()),
+    )
+    .await;
     Ok(())
 }
 

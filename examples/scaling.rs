@@ -1063,7 +1063,7 @@ async fn scaling(args: Args) -> R<()> {
         );
         real.push(row);
     }
-    let _ = amqp.close(200, "done".into()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), amqp.close(200, "done".into())).await;
 
     // Simulation: the ceiling (instant confirms, N = 1), then R per connection.
     let mut sim_slots = vec!["scaling_sim_ceiling".to_string()];
